@@ -1,0 +1,76 @@
+// SPDX-License-Identifier: MIT
+// The adapter between ORT's OrtCustomOp and our kernels. An op declares an OpSpec (name,
+// execution provider, input/output dtypes and which are optional) and a factory; kernels throw
+// OpError and the adapter hands ORT a status, so no exception ever crosses the C boundary.
+//
+// Input dtypes: the float activation inputs are declared UNDEFINED (any type) so that the
+// kernel, not ORT's type checker, reports a wrong dtype with the message format of STYLE.md.
+// ORT infers a dynamically typed output only from a single dynamically typed input, so an op
+// with a float output whose type follows its input has exactly one dynamic input.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "onnxruntime_cxx_api.h"
+
+namespace ort_ops {
+
+struct IoSpec {
+  ONNXTensorElementDataType type;  // UNDEFINED: any type, checked by the kernel
+  bool optional = false;
+};
+
+struct OpSpec {
+  const char* name;
+  const char* execution_provider;  // "CPUExecutionProvider" or "CUDAExecutionProvider"
+  std::vector<IoSpec> inputs;
+  std::vector<IoSpec> outputs;
+};
+
+class KernelImpl {
+ public:
+  virtual ~KernelImpl() = default;
+  virtual void compute(Ort::KernelContext& ctx) = 0;
+};
+
+using KernelFactory = std::unique_ptr<KernelImpl> (*)(const OrtKernelInfo* info);
+
+struct KernelAdapter {
+  std::unique_ptr<KernelImpl> impl;
+  const char* op_name;
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+};
+
+class CustomOp : public Ort::CustomOpBase<CustomOp, KernelAdapter, /*WithStatus=*/true> {
+ public:
+  CustomOp(OpSpec spec, KernelFactory factory) : spec_(std::move(spec)), factory_(factory) {}
+
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return spec_.name; }
+  const char* GetExecutionProviderType() const { return spec_.execution_provider; }
+  size_t GetInputTypeCount() const { return spec_.inputs.size(); }
+  ONNXTensorElementDataType GetInputType(size_t i) const { return spec_.inputs[i].type; }
+  size_t GetOutputTypeCount() const { return spec_.outputs.size(); }
+  ONNXTensorElementDataType GetOutputType(size_t i) const { return spec_.outputs[i].type; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return spec_.inputs[i].optional ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return spec_.outputs[i].optional ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+
+ private:
+  OpSpec spec_;
+  KernelFactory factory_;
+};
+
+// Attribute readers: the default when the attribute is absent.
+int64_t attr_int(const OrtKernelInfo* info, const char* name, int64_t default_value);
+float attr_float(const OrtKernelInfo* info, const char* name, float default_value);
+std::string attr_string(const OrtKernelInfo* info, const char* name, const std::string& default_value);
+bool has_attr(const OrtKernelInfo* info, const char* name);
+
+}  // namespace ort_ops

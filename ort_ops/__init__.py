@@ -1,0 +1,9 @@
+# SPDX-License-Identifier: MIT
+"""ort-ops: INT8 KV cache, INT8 paged attention and INT8 MoE as ONNX Runtime custom ops."""
+
+from ort_ops._domain import DOMAIN, OPSET_VERSION
+from ort_ops._lib import build_info, get_library_path, session_options
+
+__version__ = "0.1.0"
+
+__all__ = ["DOMAIN", "OPSET_VERSION", "__version__", "build_info", "get_library_path", "session_options"]

@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: MIT
+"""The contract's INT8 quantization rule (DESIGN.md, Conventions), in plain numpy.
+
+    amax = max|x|, scale = amax / 127, q = clamp(rint(x * (127 / amax)), -127, 127)
+
+All arithmetic is float32, ``rint`` rounds half to even, ``amax == 0`` gives scale 0 and q 0.
+Every kernel produces these codes bit for bit, so the order of float32 operations here is part
+of the spec: ``inv = 127 / amax`` first, then one float32 multiply per element (never fused
+into an FMA, never ``x / scale``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QMAX = np.float32(127.0)
+
+
+def quantize_rows(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-vector INT8 quantization along ``axis``.
+
+    Args:
+        x: float array (any float dtype; converted to float32 first).
+        axis: the axis each scale covers.
+
+    Returns:
+        (q int8 with x's shape, scale float32 with ``axis`` removed).
+    """
+    x32 = np.asarray(x).astype(np.float32)
+    amax = np.max(np.abs(x32), axis=axis, keepdims=True) if x32.shape[axis] else np.zeros(
+        x32.shape[:axis % x32.ndim] + (1,) + x32.shape[axis % x32.ndim + 1:], np.float32)
+    amax = amax.astype(np.float32)
+    scale = (amax / QMAX).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax > 0, QMAX / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((x32 * inv).astype(np.float32)), -127, 127).astype(np.int8)
+    return q, np.squeeze(scale, axis=axis)
+
+
+def dequantize_rows(q: np.ndarray, scale: np.ndarray, axis: int = -1) -> np.ndarray:
+    """float32 values ``q * scale`` with ``scale`` broadcast along ``axis``."""
+    return q.astype(np.float32) * np.expand_dims(np.asarray(scale, np.float32), axis)

@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: MIT
+"""The ordered list of fusions ``ort-ops rewrite`` runs, and the report they fill.
+
+A fusion is a function ``fuse_<kind>(model: onnx_ir.Model, options: RewriteOptions) ->
+FusionResult`` living in ``ort_ops/rewrite/<op or kind>.py``; adding one is one line in
+``FUSIONS`` below. Each returns how many blocks it replaced and, for every candidate it
+declined, where and why (the model then stays correct, unfused there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass
+class RewriteOptions:
+    """What the user asked of ``ort-ops rewrite``."""
+
+    block_size: int = 16
+    pv_quant: str = "s8"  # s8 | u8 | none
+    qk_quant: str = "s8"  # s8 | none
+    attention: bool = True
+    moe: bool = True
+
+
+@dataclasses.dataclass
+class Decline:
+    """A candidate a fusion looked at and left alone."""
+
+    where: str  # node name(s) of the candidate
+    reason: str
+
+
+@dataclasses.dataclass
+class FusionResult:
+    kind: str  # "attention", "moe"
+    fused: int = 0
+    declined: list[Decline] = dataclasses.field(default_factory=list)
+    details: dict = dataclasses.field(default_factory=dict)  # per-kind facts (forms matched, bytes, ...)
+
+
+# (kind, option flag on RewriteOptions, import path "module:function"), in the order they run.
+FUSIONS: list[tuple[str, str, str]] = [
+]
+
+
+def _load(path: str) -> Callable:
+    import importlib
+
+    module, _, fn = path.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def run_fusions(model, options: RewriteOptions) -> list[FusionResult]:
+    """Runs every enabled fusion on ``model`` (an ``onnx_ir.Model``, changed in place)."""
+    results = []
+    for kind, flag, path in FUSIONS:
+        if getattr(options, flag):
+            results.append(_load(path)(model, options))
+    return results

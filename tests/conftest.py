@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: MIT
+"""Shared fixtures: fresh random data per test, the CPU ISA variants to exercise, GPU skips."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+def pytest_report_header(config):
+    try:
+        import ort_ops
+
+        info = ort_ops.build_info()
+        return [f"ort_ops library: {ort_ops.get_library_path()}", f"ort_ops build: {info}"]
+    except Exception as e:  # the tests themselves report the failure
+        return [f"ort_ops library: not loadable ({e})"]
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data each run (seed printed on failure through the test id and this seed)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def available_isas() -> list[str]:
+    import ort_ops
+
+    order = ["scalar", "avx2", "avxvnni", "avx512vnni"]
+    best = ort_ops.build_info()["best_cpu_isa"]
+    return order[: order.index(best) + 1]
+
+
+@pytest.fixture(params=["scalar", "avx2", "avxvnni", "avx512vnni"])
+def cpu_isa(request, monkeypatch):
+    """Runs the test once per CPU kernel variant this machine supports (ORT_OPS_CPU_ISA caps the
+    choice when the session is created); unsupported variants skip with the reason."""
+    if request.param not in available_isas():
+        pytest.skip(f"CPU lacks {request.param}")
+    monkeypatch.setenv("ORT_OPS_CPU_ISA", request.param)
+    return request.param
+
+
+def use_isa(monkeypatch, isa: str) -> None:
+    """Caps the kernel variant of sessions created from now on; skips if the CPU lacks it."""
+    if isa not in available_isas():
+        pytest.skip(f"CPU lacks {isa}")
+    monkeypatch.setenv("ORT_OPS_CPU_ISA", isa)
