@@ -6,5 +6,9 @@ Each op's reference lives beside its schema in ``ort_ops/ops/<op>.py``; this mod
 
 from ort_ops.ops._quant import dequantize_rows, quantize_rows
 from ort_ops.ops.dynamic_quant import reference as dynamic_quant
+from ort_ops.ops.paged_attention_int8 import exact_attention
+from ort_ops.ops.paged_attention_int8 import reference as paged_attention_int8
+from ort_ops.ops.quantize_kv_cache import reference as quantize_kv_cache
 
-__all__ = ["dequantize_rows", "dynamic_quant", "quantize_rows"]
+__all__ = ["dequantize_rows", "dynamic_quant", "exact_attention", "paged_attention_int8", "quantize_kv_cache",
+           "quantize_rows"]
