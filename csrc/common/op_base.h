@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/domain.h"
 #include "common/status.h"
 #include "onnxruntime_cxx_api.h"
 
@@ -46,7 +47,11 @@ struct KernelAdapter {
 
 class CustomOp : public Ort::CustomOpBase<CustomOp, KernelAdapter, /*WithStatus=*/true> {
  public:
-  CustomOp(OpSpec spec, KernelFactory factory) : spec_(std::move(spec)), factory_(factory) {}
+  CustomOp(OpSpec spec, KernelFactory factory) : spec_(std::move(spec)), factory_(factory) {
+    // CustomOpBase stamps the headers' ORT_API_VERSION (21); an older runtime refuses a custom op
+    // newer than itself. We use no OrtCustomOp field past version kMinOrtApiVersion.
+    OrtCustomOp::version = kMinOrtApiVersion;
+  }
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
   const char* GetName() const { return spec_.name; }
