@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: MIT
+"""GroupedMatmulSwigluQuant: grouped INT8 GEMM, dequantize, SwiGLU, per-row INT8 quantization.
+
+The fused MoE gate/up projection of seed 004 (Ascend's op) with DESIGN.md's deviations.
+Alphabet: M rows, K reduction dim, N = 2 * I output columns before SwiGLU, E experts.
+
+Inputs:
+    x            int8 [M, K]      rows sorted by expert (MoeInitRouting + DynamicQuant)
+    weight       int8 [E, K, N]   columns [0, N/2) feed Swish (A), [N/2, N) the gate (G)
+    weight_scale float32/float16 [E, N]   per output channel
+    x_scale      float32/float16 [M]      per row
+    group_list   int64 [E]        type 0: cumulative end rows; type 1: per-expert counts
+Outputs:
+    y        int8 [M, N/2]    S quantized per row by the contract's rule
+    y_scale  float32 [M]
+    y_offset float32 [M]      zeros (symmetric quantization)
+Attribute: group_list_type (0 default, 1).
+
+Exact float32 recipe (the spec every kernel matches bit for bit; see ``ort_ops.ops._moe``):
+
+    acc = x[m] . W_e[:, n]                               int32
+    C   = (float32(acc) * x_scale[m]) * weight_scale[e, n]
+    A, G = C[:, :N/2], C[:, N/2:]
+    S   = (A / (1 + exp_f32(-A))) * G                    exp_f32: _moe's Cephes polynomial
+    y, y_scale = quantize_rows(S)                        amax, inv = 127 / amax, rint(S * inv)
+
+Rows at or past the last group end get y = 0, y_scale = 0. Errors (ValueError here, a failed
+Run in the kernels): odd N, K > 131071 (int32 accumulation bound), mismatched shapes, a
+decreasing group_list, one ending past M, and a non-finite C or S in a row (no INT8 code
+represents it). Ascend's limits N <= 10240 and K <= 65536 do not apply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ort_ops.ops._moe import grouped_dequant_matmul, swiglu_f32
+from ort_ops.ops._quant import quantize_rows
+from ort_ops.ops._schema import FLOAT_TYPES, Arg, Attr, OpSchema
+
+OP = "GroupedMatmulSwigluQuant"
+
+SCHEMA = OpSchema(
+    name=OP,
+    inputs=(
+        Arg("x", ("int8",), doc="[M, K] codes, rows grouped by expert"),
+        Arg("weight", ("int8",), doc="[E, K, N] per-expert weights (N = 2 * intermediate)"),
+        Arg("weight_scale", FLOAT_TYPES, doc="[E, N] per output channel"),
+        Arg("x_scale", FLOAT_TYPES, doc="[M] per row"),
+        Arg("group_list", ("int64",), doc="[E] cumulative ends (type 0) or counts (type 1)"),
+    ),
+    outputs=(
+        Arg("y", ("int8",), doc="[M, N/2] SwiGLU output codes"),
+        Arg("y_scale", ("float32",), doc="[M] per-row scale"),
+        Arg("y_offset", ("float32",), doc="[M] zeros (symmetric)"),
+    ),
+    attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),),
+    doc=__doc__,
+)
+
+
+def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0):
+    """The float32 SwiGLU output S [M, N/2] before quantization and the valid-row mask [M]."""
+    n = np.asarray(weight).shape[-1] if np.asarray(weight).ndim == 3 else 0
+    if n % 2:
+        raise ValueError(f"{OP}: input 'weight' must have an even N (last dim), got {n}")
+    c, valid = grouped_dequant_matmul(OP, x, weight, weight_scale, x_scale, group_list, group_list_type)
+    bad = ~np.all(np.isfinite(c), axis=1) & valid
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise ValueError(f"{OP}: row {r}: the dequantized product is not finite; check inputs 'x_scale' and 'weight_scale'")
+    h = n // 2
+    s = np.zeros((c.shape[0], h), np.float32)
+    if valid.any():
+        s[valid] = swiglu_f32(c[valid, :h], c[valid, h:])
+    bad = ~np.all(np.isfinite(s), axis=1) & valid
+    if bad.any():
+        r = int(np.argmax(bad))
+        raise ValueError(f"{OP}: row {r}: the SwiGLU output overflows float32; check inputs 'x_scale' and 'weight_scale'")
+    return s, valid
+
+
+def reference(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0):
+    """numpy GroupedMatmulSwigluQuant (module docstring for shapes and the float32 recipe).
+
+    Returns:
+        (y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M]).
+    """
+    s, valid = swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type)
+    y, y_scale = quantize_rows(s, axis=-1)
+    y[~valid] = 0
+    y_scale[~valid] = 0
+    return y, y_scale.astype(np.float32), np.zeros_like(y_scale, dtype=np.float32)

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: MIT
+"""A float MoE layer in numpy, its offline weight quantization, and the same layer as the INT8
+op chain run through the references (what the native chain must equal).
+
+Alphabet: T tokens, H hidden size, I intermediate size per expert, E experts, K top-k.
+
+Float layer (SwiGLU experts, the Mixtral / Qwen-MoE / DeepSeek form):
+
+    probs_TE      = softmax(x_TH @ router_HE)                      float32
+    topk_ids_TK   = the K largest probabilities per token (ties: lower expert id first)
+    topk_w_TK     = those probabilities, divided by their sum when ``renormalize``
+    expert e:       h = silu(x @ w_gate_up[e][:, :I]) * (x @ w_gate_up[e][:, I:]);  y = h @ w_down[e]
+    out_TH        = sum_j topk_w[t, j] * expert_{topk_ids[t, j]}(x[t])  (+ shared expert(x) if given)
+
+Weights: w_gate_up [E, H, 2I] (columns [0, I) the gate that goes through silu, [I, 2I) the up
+projection), w_down [E, I, H]; the optional shared expert has w_gate_up [1, H, 2I'] and
+w_down [1, I', H] and is added to every token.
+
+INT8 chain (DESIGN.md "MoE"); the router stays float, so the chain's error is the experts' only:
+
+    MoeInitRouting(x, topk_ids)            -> sorted_x [T*K, H], sorted_to_flat, group_list
+    DynamicQuant(sorted_x)                 -> xq, x_scale             per row
+    GroupedMatmulSwigluQuant(xq, Wq_gu, s_gu, x_scale, group_list) -> hq, h_scale
+    GroupedMatmulDequant(hq, Wq_d, s_d, h_scale, group_list)       -> expert_out float32
+    shared expert: DynamicQuant(x) -> GroupedMatmulSwigluQuant (E=1) -> GroupedMatmulDequant
+    MoeFinalizeRouting(expert_out, sorted_to_flat, topk_w, residual=shared) -> out float32
+
+Weights are quantized offline per output channel, the contract's rule over K:
+``weight_scale[e, n] = max_k |W[e, k, n]| / 127``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ort_ops.ops import (dynamic_quant, grouped_matmul_dequant, grouped_matmul_swiglu_quant,
+                         moe_finalize_routing, moe_init_routing)
+from ort_ops.ops._quant import quantize_rows
+
+
+@dataclasses.dataclass
+class MoeWeights:
+    """Float weights of one MoE layer (shapes in the module docstring)."""
+
+    router: np.ndarray                        # [H, E]
+    w_gate_up: np.ndarray                     # [E, H, 2I]
+    w_down: np.ndarray                        # [E, I, H]
+    shared_gate_up: np.ndarray | None = None  # [1, H, 2I']
+    shared_down: np.ndarray | None = None     # [1, I', H]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_gate_up.shape[0]
+
+
+@dataclasses.dataclass
+class QuantizedMoeWeights:
+    """INT8 expert weights with per-output-channel float32 scales."""
+
+    gate_up: np.ndarray        # int8 [E, H, 2I]
+    gate_up_scale: np.ndarray  # float32 [E, 2I]
+    down: np.ndarray           # int8 [E, I, H]
+    down_scale: np.ndarray     # float32 [E, H]
+    shared_gate_up: np.ndarray | None = None
+    shared_gate_up_scale: np.ndarray | None = None
+    shared_down: np.ndarray | None = None
+    shared_down_scale: np.ndarray | None = None
+
+
+def random_moe_weights(rng: np.random.Generator, hidden: int, inter: int, num_experts: int,
+                       shared_inter: int = 0) -> MoeWeights:
+    """Gaussian weights scaled 1/sqrt(fan_in), so activations keep unit size through the layer."""
+    def g(*shape, fan_in):
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    w = MoeWeights(router=g(hidden, num_experts, fan_in=hidden),
+                   w_gate_up=g(num_experts, hidden, 2 * inter, fan_in=hidden),
+                   w_down=g(num_experts, inter, hidden, fan_in=inter))
+    if shared_inter:
+        w.shared_gate_up = g(1, hidden, 2 * shared_inter, fan_in=hidden)
+        w.shared_down = g(1, shared_inter, hidden, fan_in=shared_inter)
+    return w
+
+
+def quantize_expert_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-output-channel INT8 weights: W float [E, K, N] -> (int8 [E, K, N], scale float32 [E, N]).
+
+    The contract's rule over K: scale = max_k |W[e, k, n]| / 127, q = rint(W * (127 / amax)).
+    """
+    return quantize_rows(np.asarray(w, np.float32), axis=1)
+
+
+def quantize_moe_weights(w: MoeWeights) -> QuantizedMoeWeights:
+    q = QuantizedMoeWeights(*quantize_expert_weights(w.w_gate_up), *quantize_expert_weights(w.w_down))
+    if w.shared_gate_up is not None:
+        q.shared_gate_up, q.shared_gate_up_scale = quantize_expert_weights(w.shared_gate_up)
+        q.shared_down, q.shared_down_scale = quantize_expert_weights(w.shared_down)
+    return q
+
+
+def route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool = True):
+    """Router softmax and top-k: x [T, H], router [H, E] -> (topk_ids int32 [T, K], topk_w float32 [T, K])."""
+    logits = np.asarray(x, np.float32) @ np.asarray(router, np.float32)
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    p = np.exp(logits)
+    p = (p / p.sum(axis=-1, keepdims=True)).astype(np.float32)
+    # Stable sort on -p: equal probabilities keep the lower expert id first.
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    wts = np.take_along_axis(p, ids, axis=-1)
+    if renormalize:
+        wts = wts / wts.sum(axis=-1, keepdims=True)
+    return ids, wts.astype(np.float32)
+
+
+def _silu(a):
+    return a / (1.0 + np.exp(-a))
+
+
+def _expert_float(x, w_gate_up, w_down):
+    c = x @ w_gate_up
+    i = w_gate_up.shape[-1] // 2
+    return (_silu(c[:, :i]) * c[:, i:]) @ w_down
+
+
+def moe_layer_float(x: np.ndarray, w: MoeWeights, top_k: int, renormalize: bool = True,
+                    routing: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """The float MoE layer (float64 arithmetic: the accuracy yardstick). x [T, H] -> [T, H] float32.
+
+    ``routing`` (topk_ids, topk_w) overrides the router so both layers use the same choice.
+    """
+    x64 = np.asarray(x, np.float64)
+    ids, wts = routing if routing is not None else route(x, w.router, top_k, renormalize)
+    out = np.zeros_like(x64)
+    for e in range(w.num_experts):
+        t, j = np.nonzero(ids == e)
+        if t.size:
+            y = _expert_float(x64[t], w.w_gate_up[e].astype(np.float64), w.w_down[e].astype(np.float64))
+            np.add.at(out, t, wts[t, j, None].astype(np.float64) * y)
+    if w.shared_gate_up is not None:
+        out += _expert_float(x64, w.shared_gate_up[0].astype(np.float64), w.shared_down[0].astype(np.float64))
+    return out.astype(np.float32)
+
+
+def shared_expert_int8(x: np.ndarray, q: QuantizedMoeWeights) -> np.ndarray:
+    """The shared expert as the INT8 chain with one expert holding every row: [T, H] -> float32 [T, H]."""
+    xq, xs = dynamic_quant.reference(x)
+    gl = np.array([x.shape[0]], np.int64)
+    hq, hs, _ = grouped_matmul_swiglu_quant.reference(xq, q.shared_gate_up, q.shared_gate_up_scale, xs, gl)
+    return grouped_matmul_dequant.reference(hq, q.shared_down, q.shared_down_scale, hs, gl)
+
+
+def moe_layer_int8_reference(x: np.ndarray, q: QuantizedMoeWeights, topk_ids: np.ndarray,
+                             topk_w: np.ndarray) -> np.ndarray:
+    """The INT8 op chain (module docstring) through the numpy references: x [T, H] -> float32 [T, H]."""
+    x = np.asarray(x, np.float32)
+    e = q.gate_up.shape[0]
+    sorted_x, s2f, gl = moe_init_routing.reference(x, np.asarray(topk_ids, np.int32), num_experts=e)
+    xq, xs = dynamic_quant.reference(sorted_x)
+    hq, hs, _ = grouped_matmul_swiglu_quant.reference(xq, q.gate_up, q.gate_up_scale, xs, gl)
+    expert_out = grouped_matmul_dequant.reference(hq, q.down, q.down_scale, hs, gl)
+    residual = shared_expert_int8(x, q) if q.shared_gate_up is not None else None
+    return moe_finalize_routing.reference(expert_out, s2f, topk_w, residual)
+
+
+def relative_l2(got: np.ndarray, want: np.ndarray) -> float:
+    """||got - want||_2 / ||want||_2 over the whole tensor (float64)."""
+    g = np.asarray(got, np.float64)
+    w = np.asarray(want, np.float64)
+    return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-300))
