@@ -10,6 +10,10 @@
 #include "common/domain.h"
 #include "common/op_base.h"
 #include "ops/dynamic_quant/op.h"
+#include "ops/grouped_matmul_dequant/op.h"
+#include "ops/grouped_matmul_swiglu_quant/op.h"
+#include "ops/moe_finalize_routing/op.h"
+#include "ops/moe_init_routing/op.h"
 
 #ifdef ORT_OPS_WITH_CUDA
 #include "cuda/cuda_info.h"
@@ -34,6 +38,10 @@ namespace {
 std::vector<const CustomOp*> all_ops() {
   return {
       &dynamic_quant_cpu_op(),
+      &grouped_matmul_swiglu_quant_cpu_op(),
+      &grouped_matmul_dequant_cpu_op(),
+      &moe_init_routing_cpu_op(),
+      &moe_finalize_routing_cpu_op(),
   };
 }
 

@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: MIT
+// The grouped INT8 GEMM core that GroupedMatmulSwigluQuant and GroupedMatmulDequant share on the
+// CPU. Spec: ort_ops/ops/_moe.py (the exact float32 recipe) and the two ops' references.
+//
+// Alphabet: M rows, K reduction dim, N weight columns, E experts.
+// Work unit ("tile"): the rows [0, rows) of one expert times 128 packed weight columns. A tile
+// packs its columns of W_e [K, N] (the contract's layout, no pre-packed weights) into a
+// thread-local buffer laid out for the ISA's dot-product instruction, then runs every row of
+// the expert over it, so W is read from memory once per Run whatever the row count.
+//   dequant mode: one segment of up to 128 columns [n0, n0 + width) -> y[r, n0 ...]
+//   SwiGLU mode:  two segments of up to 64 columns, A = [h0, h0 + width) and
+//                 G = [N/2 + h0, ...) -> S[r, h0 ...] = swiglu(A, G) (float32, quantized later)
+//
+// Exactness: int32 accumulation is exact for K <= kMaxK even with -128 codes in x and W (every
+// product is <= 2^14 in size; SIMD paths that wrap modulo 2^32 mid-way still end exact because
+// the true sum fits). float32 epilogue: C = (float(acc) * x_scale[r]) * w_scale[n], then SwiGLU
+// by _moe.py's recipe; every variant does the same operations, so results match bit for bit.
+#pragma once
+
+#include <cstdint>
+
+#include "common/cpu_features.h"
+
+namespace ort_ops::grouped_matmul {
+
+constexpr int64_t kMaxK = 131071;
+constexpr int64_t kTileCols = 128;  // packed columns per tile (two cache lines of a W row)
+constexpr int64_t kHalfCols = 64;   // SwiGLU: columns of A (and of G) per tile
+
+enum class Mode : int { kDequant = 0, kSwiglu = 1 };
+
+struct TileArgs {
+  Mode mode;
+  const int8_t* x;        // first row of the expert, [rows, k] row-major
+  const uint8_t* xprep;   // the same rows prepared by prep_rows (nullptr for the scalar path)
+  int64_t xprep_stride;   // bytes between prepared rows
+  int64_t rows, k, n;     // n: columns of W (ldw)
+  const int8_t* w;        // W_e [k, n]
+  const float* x_scale;   // [rows]
+  const float* w_scale;   // [n] of this expert
+  int64_t col0;           // dequant: first column; SwiGLU: first column of A (G at n/2 + col0)
+  int64_t width;          // columns of the segment (<= 128 dequant, <= 64 SwiGLU)
+  float* out;             // dequant: y + col0 of the first row; SwiGLU: S + col0
+  int64_t ldo;            // floats between output rows
+};
+
+// Returns false if a dequantized C value of a SwiGLU tile was NaN or Inf (row in *bad_row).
+using TileFn = bool (*)(const TileArgs& a, int64_t* bad_row);
+// Prepares x rows for the ISA (int16 pairs for AVX2, x ^ 0x80 quads for VNNI), zero-padded.
+using PrepFn = void (*)(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride);
+
+struct Kernels {
+  TileFn tile;
+  PrepFn prep;               // nullptr: the tile reads x directly
+  int64_t (*prep_stride)(int64_t k);
+};
+
+bool tile_scalar(const TileArgs& a, int64_t* bad_row);
+bool tile_avx2(const TileArgs& a, int64_t* bad_row);
+bool tile_avxvnni(const TileArgs& a, int64_t* bad_row);
+bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row);
+void prep_int16_pairs(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride);
+void prep_u8_quads(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride);
+int64_t prep_stride_int16(int64_t k);
+int64_t prep_stride_quads(int64_t k);
+
+Kernels kernels_for(CpuIsa isa);
+
+// The scalar float32 recipe, shared with the SIMD tails: S = (a / (1 + exp_f32(-a))) * g.
+float swiglu_scalar(float a, float g);
+
+}  // namespace ort_ops::grouped_matmul

@@ -1,0 +1,157 @@
+// SPDX-License-Identifier: MIT
+#include "ops/grouped_matmul/driver.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+
+#include "common/convert.h"
+#include "common/parallel.h"
+#include "common/status.h"
+
+namespace ort_ops::grouped_matmul {
+namespace {
+
+constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+
+// Rows per task: enough to amortise packing a tile (K * 128 bytes) over many rows, few enough
+// that one huge expert still spreads over the pool. A multiple of every micro-kernel's MR.
+constexpr int64_t kRowChunk = 240;
+
+const float* as_f32(const InputView& t, std::vector<float>& storage) {
+  if (t.dtype == F32) return t.ptr<float>();
+  storage.resize(static_cast<size_t>(t.numel));
+  half_to_float_scalar(t.ptr<uint16_t>(), storage.data(), t.numel);
+  return storage.data();
+}
+
+}  // namespace
+
+Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n) {
+  const InputView x = read_input(ctx, 0), w = read_input(ctx, 1), ws = read_input(ctx, 2),
+                  xs = read_input(ctx, 3), gl = read_input(ctx, 4);
+  require_present(op, "x", x);
+  require_present(op, "weight", w);
+  require_present(op, "weight_scale", ws);
+  require_present(op, "x_scale", xs);
+  require_present(op, "group_list", gl);
+  require_dtype(op, "x", x, {I8});
+  require_rank(op, "x", x, 2);
+  require_dtype(op, "weight", w, {I8});
+  require_rank(op, "weight", w, 3);
+  Problem p;
+  p.m = x.dim(0);
+  p.k = x.dim(1);
+  p.e = w.dim(0);
+  p.n = w.dim(2);
+  if (w.dim(1) != p.k)
+    fail_invalid(op, "input 'weight' must have shape [E, ", p.k, ", N] (K of 'x'), got ",
+                 shape_str(w.shape));
+  if (even_n && p.n % 2 != 0)
+    fail_invalid(op, "input 'weight' must have an even N (last dim), got ", p.n);
+  if (p.k > kMaxK)
+    fail_unsupported(op, "K must be <= ", kMaxK, " so the int32 accumulator cannot overflow, got ", p.k);
+  require_dtype(op, "weight_scale", ws, {F32, F16});
+  require_shape(op, "weight_scale", ws, {p.e, p.n});
+  require_dtype(op, "x_scale", xs, {F32, F16});
+  require_shape(op, "x_scale", xs, {p.m});
+  require_dtype(op, "group_list", gl, {I64});
+  require_shape(op, "group_list", gl, {p.e});
+  if (group_list_type != 0 && group_list_type != 1)
+    fail_invalid(op, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
+                 group_list_type);
+
+  const int64_t* g = gl.ptr<int64_t>();
+  p.ends.resize(static_cast<size_t>(p.e));
+  int64_t prev = 0;
+  for (int64_t i = 0; i < p.e; ++i) {
+    if (group_list_type == 1) {
+      if (g[i] < 0)
+        fail_invalid(op, "input 'group_list' must hold counts >= 0, got ", g[i], " at index ", i);
+      if (g[i] > p.m - prev)  // no overflow: prev <= m here
+        fail_invalid(op, "input 'group_list' counts must sum to <= ", p.m, " (rows of 'x'), got more");
+      prev += g[i];
+    } else {
+      if (g[i] < prev)
+        fail_invalid(op, "input 'group_list' must be non-decreasing and >= 0, got ", g[i],
+                     " at index ", i, " after ", prev);
+      prev = g[i];
+    }
+    p.ends[static_cast<size_t>(i)] = prev;
+  }
+  if (prev > p.m) fail_invalid(op, "input 'group_list' must end at <= ", p.m, " (rows of 'x'), got ", prev);
+  p.rows_used = prev;
+  p.x = x.ptr<int8_t>();
+  p.w = w.ptr<int8_t>();
+  p.w_scale = as_f32(ws, p.w_scale_f32);
+  p.x_scale = as_f32(xs, p.x_scale_f32);
+  return p;
+}
+
+void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
+               const Kernels& kern, float* out, int64_t ldo) {
+  if (p.rows_used == 0 || p.n == 0) return;
+  const int64_t cols = mode == Mode::kSwiglu ? p.n / 2 : p.n;
+  const int64_t tile_w = mode == Mode::kSwiglu ? kHalfCols : kTileCols;
+  const int64_t col_tiles = (cols + tile_w - 1) / tile_w;
+
+  // x rows in the ISA's layout, prepared once and shared by every column tile.
+  std::unique_ptr<uint8_t[]> xprep;
+  int64_t stride = 0;
+  if (kern.prep) {
+    stride = kern.prep_stride(p.k);
+    xprep.reset(new uint8_t[static_cast<size_t>(p.rows_used * stride)]);
+    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
+    const int64_t chunks = (p.rows_used + rows_per - 1) / rows_per;
+    parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
+      const int64_t r0 = static_cast<int64_t>(c) * rows_per;
+      const int64_t r1 = std::min(p.rows_used, r0 + rows_per);
+      kern.prep(p.x + r0 * p.k, r1 - r0, p.k, xprep.get() + r0 * stride, stride);
+    });
+  }
+
+  struct Task {
+    int64_t e, r0, r1, tile;
+  };
+  std::vector<Task> tasks;
+  int64_t start = 0;
+  for (int64_t e = 0; e < p.e; ++e) {
+    const int64_t end = p.ends[static_cast<size_t>(e)];
+    for (int64_t r0 = start; r0 < end; r0 += kRowChunk)  // empty experts add no task
+      for (int64_t t = 0; t < col_tiles; ++t) tasks.push_back({e, r0, std::min(end, r0 + kRowChunk), t});
+    start = end;
+  }
+
+  std::atomic<int64_t> bad_row{-1};
+  parallel_for(ctx, tasks.size(), [&](size_t i) {
+    const Task& t = tasks[i];
+    TileArgs a;
+    a.mode = mode;
+    a.x = p.x + t.r0 * p.k;
+    a.xprep = xprep ? xprep.get() + t.r0 * stride : nullptr;
+    a.xprep_stride = stride;
+    a.rows = t.r1 - t.r0;
+    a.k = p.k;
+    a.n = p.n;
+    a.w = p.w + t.e * p.k * p.n;
+    a.x_scale = p.x_scale + t.r0;
+    a.w_scale = p.w_scale + t.e * p.n;
+    a.col0 = t.tile * tile_w;
+    a.width = std::min(tile_w, cols - a.col0);
+    a.out = out + t.r0 * ldo + a.col0;
+    a.ldo = ldo;
+    int64_t row = -1;
+    if (!kern.tile(a, &row)) {
+      int64_t expected = -1;
+      bad_row.compare_exchange_strong(expected, t.r0 + row);
+    }
+  });
+  if (bad_row.load() >= 0)
+    fail_invalid(op, "row ", bad_row.load(),
+                 ": the dequantized product is not finite; check inputs 'x_scale' and 'weight_scale'");
+}
+
+}  // namespace ort_ops::grouped_matmul

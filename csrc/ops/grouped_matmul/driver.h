@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: MIT
+// Input validation and work splitting shared by GroupedMatmulSwigluQuant and
+// GroupedMatmulDequant (CPU): both take x int8 [M, K], weight int8 [E, K, N], weight_scale
+// [E, N], x_scale [M], group_list int64 [E] and differ only in the tile epilogue.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/tensor.h"
+#include "onnxruntime_cxx_api.h"
+#include "ops/grouped_matmul/cpu.h"
+
+namespace ort_ops::grouped_matmul {
+
+struct Problem {
+  int64_t m = 0, k = 0, n = 0, e = 0;
+  const int8_t* x = nullptr;
+  const int8_t* w = nullptr;
+  std::vector<float> w_scale_f32, x_scale_f32;  // filled only for float16 scales
+  const float* w_scale = nullptr;               // [E, N]
+  const float* x_scale = nullptr;               // [M]
+  std::vector<int64_t> ends;                    // end row of each expert's group
+  int64_t rows_used = 0;                        // last group end: rows past it are not computed
+};
+
+// Validates inputs 0..4 and the attribute value; throws OpError naming the op and the input.
+Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n);
+
+// Runs every (expert, row chunk, column tile) task over ORT's pool.
+//   kDequant: out = y [M, N] (ldo = N), columns [0, N).
+//   kSwiglu:  out = S [M, N/2] (ldo = N/2), A/G column pairs [0, N/2).
+// Rows past rows_used are not touched. A non-finite C in a SwiGLU tile fails the Run.
+void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
+               const Kernels& kern, float* out, int64_t ldo);
+
+}  // namespace ort_ops::grouped_matmul

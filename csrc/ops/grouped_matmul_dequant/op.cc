@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulDequant on the CPU EP (DESIGN.md "The other MoE ops"; spec:
+// ort_ops/ops/grouped_matmul_dequant.py). Inputs as GroupedMatmulSwigluQuant; output y float32
+// [M, N] = (float(x . W_e) * x_scale[m]) * weight_scale[e, n], zeros past the last group end.
+#include "ops/grouped_matmul_dequant/op.h"
+
+#include <algorithm>
+
+#include "common/cpu_features.h"
+#include "common/tensor.h"
+#include "ops/grouped_matmul/driver.h"
+
+namespace ort_ops {
+namespace {
+
+constexpr const char* kOp = "GroupedMatmulDequant";
+
+class GroupedMatmulDequantCpu final : public KernelImpl {
+ public:
+  explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info)
+      : isa_(selected_isa(kOp)),
+        group_list_type_(attr_int(info, "group_list_type", 0)),
+        kernels_(grouped_matmul::kernels_for(isa_)) {
+    if (group_list_type_ != 0 && group_list_type_ != 1)
+      fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
+                   group_list_type_);
+  }
+
+  void compute(Ort::KernelContext& ctx) override {
+    const grouped_matmul::Problem p = grouped_matmul::read_problem(kOp, ctx, group_list_type_, false);
+    float* y = make_output<float>(ctx, 0, {p.m, p.n});
+    std::fill(y + p.rows_used * p.n, y + p.m * p.n, 0.0f);
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kDequant, kernels_, y, p.n);
+  }
+
+ private:
+  CpuIsa isa_;
+  int64_t group_list_type_;
+  grouped_matmul::Kernels kernels_;
+};
+
+}  // namespace
+
+const CustomOp& grouped_matmul_dequant_cpu_op() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CPUExecutionProvider",
+             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<GroupedMatmulDequantCpu>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulSwigluQuant on the CPU EP (DESIGN.md "MoE"; spec: ort_ops/ops/_moe.py and
+// ort_ops/ops/grouped_matmul_swiglu_quant.py). Inputs x int8 [M, K], weight int8 [E, K, N],
+// weight_scale [E, N], x_scale [M] (float32/float16), group_list int64 [E]; outputs y int8
+// [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros). Attribute group_list_type.
+//
+// Two phases: (1) grouped GEMM tiles write S = SwiGLU(C) as float32 [rows_used, N/2];
+// (2) each row is quantized by the contract's rule (the DynamicQuant row kernel). A row needs
+// every tile of its columns before its amax is known, hence the float buffer between them.
+#include "ops/grouped_matmul_swiglu_quant/op.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "common/cpu_features.h"
+#include "common/parallel.h"
+#include "common/tensor.h"
+#include "ops/dynamic_quant/cpu.h"
+#include "ops/grouped_matmul/driver.h"
+
+namespace ort_ops {
+namespace {
+
+constexpr const char* kOp = "GroupedMatmulSwigluQuant";
+
+class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
+ public:
+  explicit GroupedMatmulSwigluQuantCpu(const OrtKernelInfo* info)
+      : isa_(selected_isa(kOp)),
+        group_list_type_(attr_int(info, "group_list_type", 0)),
+        kernels_(grouped_matmul::kernels_for(isa_)),
+        quantize_row_(dynamic_quant::quantize_row_fn(isa_)) {
+    if (group_list_type_ != 0 && group_list_type_ != 1)
+      fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
+                   group_list_type_);
+  }
+
+  void compute(Ort::KernelContext& ctx) override {
+    const grouped_matmul::Problem p = grouped_matmul::read_problem(kOp, ctx, group_list_type_, true);
+    const int64_t h = p.n / 2;
+    int8_t* y = make_output<int8_t>(ctx, 0, {p.m, h});
+    float* y_scale = make_output<float>(ctx, 1, {p.m});
+    float* y_offset = make_output<float>(ctx, 2, {p.m});
+    std::fill(y_offset, y_offset + p.m, 0.0f);
+    // Rows past the last group end: zeros and scale 0 (DESIGN.md; Ascend leaves them unwritten).
+    std::fill(y + p.rows_used * h, y + p.m * h, int8_t{0});
+    std::fill(y_scale + p.rows_used, y_scale + p.m, 0.0f);
+    if (p.rows_used == 0) return;
+    if (h == 0) {
+      std::fill(y_scale, y_scale + p.rows_used, 0.0f);
+      return;
+    }
+
+    std::unique_ptr<float[]> s(new float[static_cast<size_t>(p.rows_used * h)]);
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h);
+
+    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 16) / h);
+    const int64_t chunks = (p.rows_used + rows_per - 1) / rows_per;
+    parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
+      const int64_t r0 = static_cast<int64_t>(c) * rows_per;
+      const int64_t r1 = std::min(p.rows_used, r0 + rows_per);
+      for (int64_t r = r0; r < r1; ++r)
+        if (!quantize_row_(s.get() + r * h, nullptr, h, y + r * h, y_scale + r))
+          fail_invalid(kOp, "row ", r,
+                       ": the SwiGLU output overflows float32; check inputs 'x_scale' and 'weight_scale'");
+    });
+  }
+
+ private:
+  CpuIsa isa_;
+  int64_t group_list_type_;
+  grouped_matmul::Kernels kernels_;
+  dynamic_quant::QuantizeRowFn quantize_row_;
+};
+
+}  // namespace
+
+const CustomOp& grouped_matmul_swiglu_quant_cpu_op() {
+  // Every output has a fixed dtype, so every input may be UNDEFINED and the kernel names the
+  // input in its own dtype errors.
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CPUExecutionProvider",
+             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8},
+              {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT},
+              {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<GroupedMatmulSwigluQuantCpu>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops

@@ -1,0 +1,115 @@
+// SPDX-License-Identifier: MIT
+// MoeFinalizeRouting on the CPU EP (spec: ort_ops/ops/moe_finalize_routing.py).
+// expert_out [M*K, H], sorted_to_flat int32 [M*K], topk_weights [M, K], residual [M, H]
+// optional (float32/float16 each) -> out float32 [M, H]:
+//   acc = residual[m] (or 0); for j in 0..K-1: acc = acc + topk_weights[m, j] * expert_out[row(m, j)]
+// in float32 in that order (no FMA), so it matches the reference bit for bit.
+#include "ops/moe_finalize_routing/op.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "common/convert.h"
+#include "common/cpu_features.h"
+#include "common/parallel.h"
+#include "common/tensor.h"
+
+namespace ort_ops {
+namespace {
+
+constexpr const char* kOp = "MoeFinalizeRouting";
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+
+// Row r of a float32/float16 tensor as float32 (a pointer into t, or converted into tmp).
+inline const float* row_f32(const InputView& t, int64_t r, int64_t h, float* tmp, HalfToFloatFn cvt) {
+  if (t.dtype == F32) return t.ptr<float>() + r * h;
+  cvt(t.ptr<uint16_t>() + r * h, tmp, h);
+  return tmp;
+}
+
+class MoeFinalizeRoutingCpu final : public KernelImpl {
+ public:
+  explicit MoeFinalizeRoutingCpu(const OrtKernelInfo*) : half_to_float_(half_to_float_fn(selected_isa(kOp))) {}
+
+  void compute(Ort::KernelContext& ctx) override {
+    const InputView eo = read_input(ctx, 0), s2f = read_input(ctx, 1), tw = read_input(ctx, 2),
+                    res = read_input(ctx, 3);
+    require_present(kOp, "expert_out", eo);
+    require_present(kOp, "sorted_to_flat", s2f);
+    require_present(kOp, "topk_weights", tw);
+    require_dtype(kOp, "topk_weights", tw, {F32, F16});
+    require_rank(kOp, "topk_weights", tw, 2);
+    const int64_t m = tw.dim(0), k = tw.dim(1), total = m * k;
+    require_dtype(kOp, "expert_out", eo, {F32, F16});
+    require_rank(kOp, "expert_out", eo, 2);
+    const int64_t h = eo.dim(1);
+    require_shape(kOp, "expert_out", eo, {total, h});
+    require_dtype(kOp, "sorted_to_flat", s2f, {I32});
+    require_shape(kOp, "sorted_to_flat", s2f, {total});
+    if (res.present) {
+      require_dtype(kOp, "residual", res, {F32, F16});
+      require_shape(kOp, "residual", res, {m, h});
+    }
+    // Inverse permutation; a repeated or out-of-range entry would read a wrong row.
+    const int32_t* perm = s2f.ptr<int32_t>();
+    std::vector<int64_t> row_of(static_cast<size_t>(total), -1);
+    for (int64_t i = 0; i < total; ++i) {
+      const int64_t f = perm[i];
+      if (f < 0 || f >= total || row_of[static_cast<size_t>(f)] >= 0)
+        fail_invalid(kOp, "input 'sorted_to_flat' must be a permutation of [0, ", total, "), got ", f,
+                     " at index ", i);
+      row_of[static_cast<size_t>(f)] = i;
+    }
+    std::vector<float> w(static_cast<size_t>(total));
+    if (tw.dtype == F32)
+      std::copy(tw.ptr<float>(), tw.ptr<float>() + total, w.begin());
+    else
+      half_to_float_(tw.ptr<uint16_t>(), w.data(), total);
+
+    float* out = make_output<float>(ctx, 0, {m, h});
+    if (m == 0 || h == 0) return;
+    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(h * (k + 1), 1));
+    const int64_t chunks = (m + rows_per - 1) / rows_per;
+    parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
+      std::vector<float> tmp(eo.dtype == F16 || (res.present && res.dtype == F16) ? h : 0);
+      const int64_t t0 = static_cast<int64_t>(c) * rows_per, t1 = std::min(m, t0 + rows_per);
+      for (int64_t t = t0; t < t1; ++t) {
+        float* acc = out + t * h;
+        if (res.present) {
+          const float* r = row_f32(res, t, h, tmp.data(), half_to_float_);
+          std::copy(r, r + h, acc);
+        } else {
+          std::fill(acc, acc + h, 0.0f);
+        }
+        for (int64_t j = 0; j < k; ++j) {
+          const float wj = w[static_cast<size_t>(t * k + j)];
+          const float* e = row_f32(eo, row_of[static_cast<size_t>(t * k + j)], h, tmp.data(), half_to_float_);
+          for (int64_t i = 0; i < h; ++i) acc[i] = acc[i] + wj * e[i];  // -ffp-contract=off: no FMA
+        }
+      }
+    });
+  }
+
+ private:
+  HalfToFloatFn half_to_float_;
+};
+
+}  // namespace
+
+const CustomOp& moe_finalize_routing_cpu_op() {
+  // The output is fixed float32, so every float input may be UNDEFINED (checked here).
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CPUExecutionProvider",
+             {{ANY}, {ANY}, {ANY}, {ANY, true}},
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<MoeFinalizeRoutingCpu>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops

@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: MIT
+// MoeInitRouting on the CPU EP (spec: ort_ops/ops/moe_init_routing.py). x [M, H] float32/float16,
+// expert_ids int32 [M, K], attribute num_experts -> sorted_x [M*K, H] (dtype of x, rows copied
+// bit for bit), sorted_to_flat int32 [M*K], group_list int64 [E] (cumulative ends).
+//
+// A counting sort: one pass counts rows per expert, a prefix sum gives each expert's first row,
+// a second pass in flat order places each pair, which makes the sort stable by construction.
+// The row copies (the bulk of the work) then run over ORT's pool.
+#include "ops/moe_init_routing/op.h"
+
+#include <cstring>
+#include <vector>
+
+#include "common/parallel.h"
+#include "common/tensor.h"
+
+namespace ort_ops {
+namespace {
+
+constexpr const char* kOp = "MoeInitRouting";
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+
+class MoeInitRoutingCpu final : public KernelImpl {
+ public:
+  explicit MoeInitRoutingCpu(const OrtKernelInfo* info) : num_experts_(attr_int(info, "num_experts", -1)) {
+    if (num_experts_ < 1)
+      fail_invalid(kOp, "attribute 'num_experts' must be given and >= 1, got ", num_experts_);
+  }
+
+  void compute(Ort::KernelContext& ctx) override {
+    const InputView x = read_input(ctx, 0), ids = read_input(ctx, 1);
+    require_present(kOp, "x", x);
+    require_present(kOp, "expert_ids", ids);
+    require_dtype(kOp, "x", x, {F32, F16});
+    require_rank(kOp, "x", x, 2);
+    require_dtype(kOp, "expert_ids", ids, {I32});
+    require_rank(kOp, "expert_ids", ids, 2);
+    const int64_t m = x.dim(0), h = x.dim(1), k = ids.dim(1);
+    if (ids.dim(0) != m)
+      fail_invalid(kOp, "input 'expert_ids' must have shape [", m, ", K] (rows of 'x'), got ",
+                   shape_str(ids.shape));
+    const int64_t total = m * k;
+    const int32_t* id = ids.ptr<int32_t>();
+    std::vector<int64_t> next(static_cast<size_t>(num_experts_) + 1, 0);
+    for (int64_t f = 0; f < total; ++f) {
+      if (id[f] < 0 || id[f] >= num_experts_)
+        fail_invalid(kOp, "input 'expert_ids' must be in [0, ", num_experts_, "), got ", id[f],
+                     " at token ", f / k, ", slot ", f % k);
+      ++next[static_cast<size_t>(id[f]) + 1];
+    }
+    int64_t* group_list = make_output<int64_t>(ctx, 2, {num_experts_});
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      next[static_cast<size_t>(e) + 1] += next[static_cast<size_t>(e)];
+      group_list[e] = next[static_cast<size_t>(e) + 1];
+    }
+    int32_t* s2f = make_output<int32_t>(ctx, 1, {total});
+    for (int64_t f = 0; f < total; ++f) s2f[next[static_cast<size_t>(id[f])]++] = static_cast<int32_t>(f);
+
+    auto* out = static_cast<uint8_t*>(make_output_raw(ctx, 0, {total, h}));
+    const size_t row_bytes = static_cast<size_t>(h) * (x.dtype == F32 ? 4 : 2);
+    if (total == 0 || row_bytes == 0) return;
+    const auto* src = static_cast<const uint8_t*>(x.data);
+    const int64_t rows_per = std::max<int64_t>(1, static_cast<int64_t>((size_t{1} << 18) / row_bytes));
+    const int64_t chunks = (total + rows_per - 1) / rows_per;
+    parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
+      const int64_t i0 = static_cast<int64_t>(c) * rows_per;
+      const int64_t i1 = std::min(total, i0 + rows_per);
+      for (int64_t i = i0; i < i1; ++i)
+        std::memcpy(out + i * row_bytes, src + (s2f[i] / k) * row_bytes, row_bytes);
+    });
+  }
+
+ private:
+  int64_t num_experts_;
+};
+
+}  // namespace
+
+const CustomOp& moe_init_routing_cpu_op() {
+  // sorted_x follows x's dtype: x is the one UNDEFINED input (ORT infers the output from it);
+  // expert_ids is fixed int32, so ORT refuses another dtype when the session is created.
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CPUExecutionProvider",
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32}},
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED},
+              {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32},
+              {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<MoeInitRoutingCpu>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops
