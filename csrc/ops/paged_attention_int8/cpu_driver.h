@@ -1,0 +1,186 @@
+// SPDX-License-Identifier: MIT
+// The task driver shared by every ISA variant: included by cpu_<isa>.cc and instantiated with
+// that file's primitives (struct Kern, all static), so each variant is compiled with its own ISA
+// flags and the primitives inline. The scalar primitives (cpu_scalar.cc) are the readable twin.
+//
+// One task: rows r = j * group + hh (query token q_row0 + j, q head kv_head * group + hh) over
+// the keys [key_begin, key_end). Key tiles of up to kTile positions, aligned to absolute
+// position 0 (so a 32-position W group never straddles tiles), each:
+//   1. token pointers: key row, key/value scale of each position (through block_tables);
+//   2. scores s = (Qq . Kq) * sQ * sK * scale (int32 dots), or (q . Kq) * sK * scale for qk none;
+//   3. online softmax: m' = max(m, tile max); O *= exp(m - m'), l = l * exp(m - m') + sum e;
+//      e_t = exp(s_t - m') for the keys a row sees (causal), 0 beyond;
+//   4. W_t = e_t * sV_t; per group: codes = min(rint(W * (L / max W)), L), then the int32 sums
+//      sum_t code_t * Vq_t[d] over one 32-token V slice per output dim, and
+//      O[d] += (max W / L) * isum[d]. (pv none: O[d] += sum_t W_t * Vq_t[d] in float.)
+// The task stores (O, m, l) of each row; op.cc merges key ranges by log-sum-exp and divides by
+// l. Codes of a group do not change when its W share a factor (up to rounding), so this equals
+// the reference's normalized-P semantics up to float rounding.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "ops/paged_attention_int8/cpu.h"
+
+namespace ort_ops::paged_attention_int8 {
+
+namespace {
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline float fmax2(float a, float b) { return a < b ? b : a; }
+inline void fill0(float* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = 0.0f;
+}
+
+template <class Kern>
+void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
+  const int64_t G = p.group, D = p.head_dim, B = p.block_size;
+  const int64_t R = task.n_q * G;
+  const int64_t Hkv = p.num_kv_heads, Hq = p.num_q_heads;
+  const float levels = p.pv == PvMode::kU8 ? 255.0f : 127.0f;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Row setup: query pointers, last visible position, running state.
+  const int8_t** q_codes = sc.q_codes;
+  const float** q_f32 = sc.q_f32;
+  float *q_scale = sc.q_scale, *m = sc.m, *l = sc.l;
+  int64_t* last_pos = sc.last_pos;
+  for (int64_t j = 0; j < task.n_q; ++j) {
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const int64_t r = j * G + hh;
+      const int64_t qrow = (task.q_row0 + j) * Hq + task.kv_head * G + hh;
+      if (p.qk_s8) {
+        q_codes[r] = p.q_codes + qrow * p.padded_dim;
+        q_scale[r] = p.q_scale[qrow];
+      } else {
+        q_f32[r] = p.q_f32 + qrow * p.padded_dim;
+      }
+      last_pos[r] = task.first_pos + j;
+      m[r] = neg_inf;
+      l[r] = 0.0f;
+    }
+  }
+  float* out = sc.out;
+  fill0(out, R * D);
+  int32_t* iscore = sc.iscore;
+  float *score = sc.score, *w = sc.w, *sk = sc.sk, *sv = sc.sv, *gscale = sc.gscale;
+  const int8_t** kptr = sc.kptr;
+  uint8_t* codes = sc.codes;
+  int32_t* isum = sc.isum;
+  int8_t* vgather = sc.vgather;
+
+  const int32_t* table = p.block_tables + task.seq * p.max_blocks;
+  // (block, kv head) row index and in-block offset of key position pos.
+  auto cache_bh = [&](int64_t pos) { return int64_t{table[pos >> p.log2_block]} * Hkv + task.kv_head; };
+
+  for (int64_t t0 = task.key_begin; t0 < task.key_end;) {
+    const int64_t t1 = imin(task.key_end, (t0 / kTile + 1) * kTile);
+    const int64_t n = t1 - t0;
+    const int64_t n_pad = (n + kGroup - 1) / kGroup * kGroup;
+    // 1. token pointers and scales.
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t bh = cache_bh(t0 + i), off = (t0 + i) & (B - 1);
+      kptr[i] = p.key_cache + (bh * B + off) * D;
+      sk[i] = p.key_scale[bh * B + off];
+      sv[i] = p.value_scale[bh * B + off];
+    }
+    // 2. scores for every row and key of the tile (causal masking below).
+    if (p.qk_s8) {
+      Kern::qk_s8(q_codes, R, kptr, n, D, iscore, kTile);
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t* is = iscore + r * kTile;
+        float* s = score + r * kTile;
+        for (int64_t i = 0; i < n; ++i)
+          s[i] = ((static_cast<float>(is[i]) * q_scale[r]) * sk[i]) * p.scale;
+      }
+    } else {
+      Kern::qk_f32(q_f32, R, kptr, n, D, score, kTile);
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = score + r * kTile;
+        for (int64_t i = 0; i < n; ++i) s[i] = (s[i] * sk[i]) * p.scale;
+      }
+    }
+    // 3. online softmax and 4a. W = e * sV (zero past each row's last visible key).
+    for (int64_t r = 0; r < R; ++r) {
+      float* wr = w + r * kTile;
+      const int64_t nv = imin(n, last_pos[r] - t0 + 1);  // keys this row sees in the tile
+      if (nv <= 0) {
+        fill0(wr, n_pad);
+        continue;
+      }
+      float* s = score + r * kTile;
+      const float m_new = fmax2(m[r], Kern::row_max(s, nv));
+      const float alpha = m[r] == neg_inf ? 0.0f : expf(m[r] - m_new);
+      const float sum = Kern::exp_sub(s, nv, m_new);
+      if (alpha != 1.0f) Kern::scale(out + r * D, D, alpha);
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+      Kern::mul(s, sv, wr, nv);
+      fill0(wr + nv, n_pad - nv);
+    }
+    // 4b. P.V per 32-position group.
+    for (int64_t g0 = 0; g0 < n; g0 += kGroup) {
+      const int8_t* vsrc;
+      int64_t stride;
+      if (B >= kGroup) {
+        // The group is 32 tokens of one block (B and the group start are multiples of 32):
+        // one contiguous 32-byte slice per output dim. Slots past the context are read but
+        // their W code is 0.
+        const int64_t bh = cache_bh(t0 + g0), off = (t0 + g0) & (B - 1);
+        vsrc = p.value_cache + bh * D * B + off;
+        stride = B;
+      } else {
+        // Blocks of 8 or 16 tokens: gather the group's slices; positions past the tile end
+        // (whose blocks may not exist) are zeros.
+        for (int64_t sub = 0; sub < kGroup; sub += B) {
+          if (g0 + sub >= n) {
+            for (int64_t d = 0; d < D; ++d) std::memset(vgather + d * kGroup + sub, 0, B);
+            continue;
+          }
+          const int64_t bh = cache_bh(t0 + g0 + sub);
+          const int8_t* src = p.value_cache + bh * D * B;  // sub-blocks start at offset 0
+          for (int64_t d = 0; d < D; ++d)
+            std::memcpy(vgather + d * kGroup + sub, src + d * B, B);
+        }
+        vsrc = vgather;
+        stride = kGroup;
+      }
+      if (p.pv == PvMode::kNone) {
+        Kern::pv_f32(w + g0, kTile, R, vsrc, stride, D, out, D);
+        continue;
+      }
+      bool any = false;
+      for (int64_t r = 0; r < R; ++r) {
+        const float* wr = w + r * kTile + g0;
+        const float gmax = Kern::max32(wr);
+        gscale[r] = gmax / levels;
+        if (gmax > 0.0f) {
+          Kern::quant32(wr, levels / gmax, levels, codes + r * kGroup);
+          any = true;
+        } else {
+          std::memset(codes + r * kGroup, 0, kGroup);
+        }
+      }
+      if (!any) continue;
+      Kern::pv_int(codes, R, vsrc, stride, D, p.pv == PvMode::kU8, isum, D);
+      for (int64_t r = 0; r < R; ++r)
+        if (gscale[r] > 0.0f) Kern::axpy_i32(gscale[r], isum + r * D, out + r * D, D);
+    }
+    t0 = t1;
+  }
+
+  for (int64_t j = 0; j < task.n_q; ++j) {
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const int64_t r = j * G + hh;
+      const int64_t slot = (p.part_offset[task.q_row0 + j] + task.split) * Hq + task.kv_head * G + hh;
+      std::memcpy(p.part_o + slot * D, out + r * D, D * sizeof(float));
+      p.part_m[slot] = m[r];
+      p.part_l[slot] = l[r];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ort_ops::paged_attention_int8

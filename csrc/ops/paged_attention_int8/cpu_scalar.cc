@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: MIT
+// Portable primitives of the PagedAttentionInt8 driver: the readable C++ oracle of the SIMD
+// variants (same integer results; float results equal up to rounding).
+#include <algorithm>
+#include <cmath>
+
+#include "ops/paged_attention_int8/cpu_driver.h"
+
+namespace ort_ops::paged_attention_int8 {
+namespace {
+
+struct ScalarKern {
+  // out[r * ldo + i] = sum_d q[r][d] * k[i][d]  (int32; |sum| <= 256 * 127 * 127)
+  static void qk_s8(const int8_t* const* q, int64_t rows, const int8_t* const* k, int64_t n, int64_t d,
+                    int32_t* out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        int32_t acc = 0;
+        for (int64_t j = 0; j < d; ++j) acc += int32_t{q[r][j]} * int32_t{k[i][j]};
+        out[r * ldo + i] = acc;
+      }
+  }
+  static void qk_f32(const float* const* q, int64_t rows, const int8_t* const* k, int64_t n, int64_t d,
+                     float* out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < n; ++i) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < d; ++j) acc += q[r][j] * static_cast<float>(k[i][j]);
+        out[r * ldo + i] = acc;
+      }
+  }
+  static float row_max(const float* s, int64_t n) {
+    float mx = s[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, s[i]);
+    return mx;
+  }
+  // s[i] = exp(s[i] - m); returns the sum.
+  static float exp_sub(float* s, int64_t n, float m) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - m);
+      sum += s[i];
+    }
+    return sum;
+  }
+  static void mul(const float* a, const float* b, float* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] * b[i];
+  }
+  static void scale(float* y, int64_t n, float a) {
+    for (int64_t i = 0; i < n; ++i) y[i] *= a;
+  }
+  static float max32(const float* w) { return *std::max_element(w, w + kGroup); }
+  // codes = min(rint(w * inv), levels); w >= 0, so codes are 0 .. levels.
+  static void quant32(const float* w, float inv, float levels, uint8_t* codes) {
+    for (int64_t i = 0; i < kGroup; ++i)
+      codes[i] = static_cast<uint8_t>(std::min(std::nearbyint(w[i] * inv), levels));
+  }
+  // isum[r * ldi + dd] = sum_i codes[r][i] * v[dd * stride + i] over the 32 tokens of a group.
+  static void pv_int(const uint8_t* codes, int64_t rows, const int8_t* v, int64_t stride, int64_t d,
+                     bool /*u8*/, int32_t* isum, int64_t ldi) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t dd = 0; dd < d; ++dd) {
+        int32_t acc = 0;
+        for (int64_t i = 0; i < kGroup; ++i)
+          acc += int32_t{codes[r * kGroup + i]} * int32_t{v[dd * stride + i]};
+        isum[r * ldi + dd] = acc;
+      }
+  }
+  // o[r * ldo + dd] += sum_i w[r * ldw + i] * v[dd * stride + i].
+  static void pv_f32(const float* w, int64_t ldw, int64_t rows, const int8_t* v, int64_t stride, int64_t d,
+                     float* o, int64_t ldo) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t dd = 0; dd < d; ++dd) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < kGroup; ++i) acc += w[r * ldw + i] * static_cast<float>(v[dd * stride + i]);
+        o[r * ldo + dd] += acc;
+      }
+  }
+  static void axpy_i32(float a, const int32_t* x, float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+  }
+};
+
+}  // namespace
+
+void run_task_scalar(const Params& p, const Task& t, const Scratch& s) {
+  run_task_impl<ScalarKern>(p, t, s);
+}
+
+}  // namespace ort_ops::paged_attention_int8

@@ -1,0 +1,319 @@
+// SPDX-License-Identifier: MIT
+// PagedAttentionInt8 on ORT's CPU EP (DESIGN.md): query [T, Hq, D] float32/float16, the paged
+// INT8 K/V cache with per-token scales, block_tables int32 [S, M], seq_lens int32 [S],
+// cu_seqlens_q int32 [S + 1] optional -> output [T, Hq, D] (query's dtype). Spec:
+// ort_ops/ops/paged_attention_int8.py.
+//
+// Design (what each task owns, where scales live):
+// - Validation first, all of it: shapes, dtypes, head_dim in {64, 80, 96, 128, 256}, block size
+//   a power of two 8..256, Hq % Hkv, seq_lens within the block table, every block id a query
+//   can reach within 0..N-1, cu_seqlens_q rising from 0 to T with q_len <= seq_len. After this
+//   no task can read outside the buffers.
+// - Query prep (parallel over T * Hq rows): qk s8 quantizes each (token, q head) row with the
+//   contract's rule into zero-padded codes + one scale; qk none keeps float32. Non-finite
+//   queries fail the Run.
+// - Tasks, run on ORT's intra-op pool. A task is (sequence, kv head, query chunk, key range):
+//   its rows are the chunk's query tokens x the kv head's group of q heads, so the group shares
+//   every K row and V slice it reads (GQA). A chunk of one query (decode, or the tail of a
+//   prefill) splits its keys into partition_size ranges, one task each (parallelism for long
+//   contexts at batch 1); a chunk of several queries (prefill, up to kMaxRows rows) walks all
+//   its visible keys in one task with an online softmax over 256-position tiles, causal.
+//   K/V scales live in the cache (per token, per kv head); query scales in the prep buffer; W
+//   group scales only in the task's registers/stack.
+// - Each task writes (O unnormalized, m, l) per row into its own partial slot; the merge
+//   (parallel over tokens) combines a token's key ranges by log-sum-exp, divides by l and
+//   writes the output dtype.
+#include "ops/paged_attention_int8/op.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/convert.h"
+#include "common/cpu_features.h"
+#include "common/parallel.h"
+#include "common/tensor.h"
+#include "ops/dynamic_quant/cpu.h"
+#include "ops/paged_attention_int8/cpu.h"
+
+namespace ort_ops {
+namespace {
+
+namespace pa = paged_attention_int8;
+
+constexpr const char* kOp = "PagedAttentionInt8";
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+
+bool supported_head_dim(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
+class PagedAttentionInt8Cpu final : public KernelImpl {
+ public:
+  explicit PagedAttentionInt8Cpu(const OrtKernelInfo* info) : isa_(selected_isa(kOp)) {
+    const std::string qk = attr_string(info, "qk_quant", "s8");
+    const std::string pv = attr_string(info, "pv_quant", "s8");
+    if (qk != "s8" && qk != "none")
+      fail_invalid(kOp, "attribute 'qk_quant' must be s8 or none, got '", qk, "'");
+    if (pv != "s8" && pv != "u8" && pv != "none")
+      fail_invalid(kOp, "attribute 'pv_quant' must be s8, u8 or none, got '", pv, "'");
+    qk_s8_ = qk == "s8";
+    pv_ = pv == "s8" ? pa::PvMode::kS8 : pv == "u8" ? pa::PvMode::kU8 : pa::PvMode::kNone;
+    partition_size_ = attr_int(info, "partition_size", 256);
+    if (partition_size_ <= 0 || partition_size_ % pa::kGroup != 0)
+      fail_invalid(kOp, "attribute 'partition_size' must be a positive multiple of 32, got ",
+                   partition_size_);
+    has_scale_ = has_attr(info, "scale");
+    if (has_scale_) {
+      scale_ = attr_float(info, "scale", 0.0f);
+      if (!std::isfinite(scale_))
+        fail_invalid(kOp, "attribute 'scale' must be finite, got ", scale_);
+    }
+    task_ = pa::task_fn(isa_);
+    quantize_row_ = dynamic_quant::quantize_row_fn(isa_);
+    half_to_float_ = half_to_float_fn(isa_);
+    float_to_half_ = float_to_half_fn(isa_);
+  }
+
+  void compute(Ort::KernelContext& ctx) override {
+    const InputView q = read_input(ctx, 0);
+    const InputView kc = read_input(ctx, 1), vc = read_input(ctx, 2);
+    const InputView ks = read_input(ctx, 3), vs = read_input(ctx, 4);
+    const InputView bt = read_input(ctx, 5), sl = read_input(ctx, 6), cu = read_input(ctx, 7);
+    require_dtype(kOp, "query", q, {F32, F16});
+    require_dtype(kOp, "key_cache", kc, {I8});
+    require_dtype(kOp, "value_cache", vc, {I8});
+    require_dtype(kOp, "key_scale", ks, {F32});
+    require_dtype(kOp, "value_scale", vs, {F32});
+    require_dtype(kOp, "block_tables", bt, {I32});
+    require_dtype(kOp, "seq_lens", sl, {I32});
+    require_rank(kOp, "query", q, 3);
+    const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2);
+    require_rank(kOp, "key_cache", kc, 4);
+    const int64_t N = kc.dim(0), Hkv = kc.dim(1), B = kc.dim(2);
+    require_shape(kOp, "key_cache", kc, {N, Hkv, B, D});
+    if (!supported_head_dim(D))
+      fail_unsupported(kOp, "head_dim must be one of {64, 80, 96, 128, 256}, got ", D);
+    if (B < 8 || B > 256 || (B & (B - 1)) != 0)
+      fail_unsupported(kOp, "block_size (dim 2 of input 'key_cache') must be a power of two in "
+                       "8..256, got ", B);
+    if (Hkv <= 0 || Hq % Hkv != 0)
+      fail_invalid(kOp, "query heads (", Hq, ") must be a multiple of kv heads (", Hkv,
+                   ", dim 1 of input 'key_cache')");
+    require_shape(kOp, "value_cache", vc, {N, Hkv, D, B});
+    require_shape(kOp, "key_scale", ks, {N, Hkv, B});
+    require_shape(kOp, "value_scale", vs, {N, Hkv, B});
+    require_rank(kOp, "block_tables", bt, 2);
+    const int64_t S = bt.dim(0), M = bt.dim(1);
+    require_shape(kOp, "seq_lens", sl, {S});
+    const int32_t* seq_lens = sl.ptr<int32_t>();
+    const int32_t* tables = bt.ptr<int32_t>();
+
+    // Query rows of each sequence.
+    std::vector<int64_t> cu_q(S + 1);
+    if (cu.present) {
+      require_dtype(kOp, "cu_seqlens_q", cu, {I32});
+      require_shape(kOp, "cu_seqlens_q", cu, {S + 1});
+      const int32_t* c = cu.ptr<int32_t>();
+      for (int64_t s = 0; s <= S; ++s) cu_q[s] = c[s];
+      bool ok = cu_q[0] == 0 && cu_q[S] == T;
+      for (int64_t s = 0; s < S && ok; ++s) ok = cu_q[s] <= cu_q[s + 1];
+      if (!ok)
+        fail_invalid(kOp, "input 'cu_seqlens_q' must rise from 0 to T = ", T,
+                     " (non-decreasing), got ", shape_str(cu_q));
+    } else {
+      if (T != S)
+        fail_invalid(kOp, "input 'query' must have T == S == ", S,
+                     " rows in decode (no 'cu_seqlens_q'), got T = ", T);
+      for (int64_t s = 0; s <= S; ++s) cu_q[s] = s;
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t len = seq_lens[s];
+      if (len < 0 || len > M * B)
+        fail_invalid(kOp, "input 'seq_lens' must be in 0..", M * B,
+                     " (max_blocks * block_size), got seq_lens[", s, "] = ", len);
+      if (cu_q[s + 1] - cu_q[s] > len)
+        fail_invalid(kOp, "input 'seq_lens' must be >= the query count of each sequence, got "
+                     "seq_lens[", s, "] = ", len, " < ", cu_q[s + 1] - cu_q[s], " queries");
+      if (cu_q[s + 1] == cu_q[s]) continue;  // no query reads this sequence's blocks
+      const int64_t used = (len + B - 1) / B;
+      for (int64_t b = 0; b < used; ++b) {
+        const int64_t blk = tables[s * M + b];
+        if (blk < 0 || blk >= N)
+          fail_invalid(kOp, "input 'block_tables' must hold block ids in 0..", N - 1, ", got "
+                       "block_tables[", s, ", ", b, "] = ", blk);
+      }
+    }
+
+    void* out_raw = make_output_raw(ctx, 0, q.shape);
+    if (T == 0 || Hq == 0) return;
+
+    // Query prep: codes + scale (qk s8) or float32 (qk none), zero padded to a multiple of 32.
+    const int64_t DP = (D + 31) / 32 * 32;
+    const int64_t rows = T * Hq;
+    std::vector<int8_t> q_codes(qk_s8_ ? rows * DP : 0, 0);
+    std::vector<float> q_scale(qk_s8_ ? rows : 0);
+    std::vector<float> q_f32(qk_s8_ ? 0 : rows * DP, 0.0f);
+    parallel_for(ctx, static_cast<size_t>(T), [&](size_t ti) {
+      const int64_t t = static_cast<int64_t>(ti);
+      std::vector<float> buf(D);
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t r = t * Hq + h;
+        float* x = qk_s8_ ? buf.data() : q_f32.data() + r * DP;
+        if (q.dtype == F32)
+          std::memcpy(x, q.ptr<float>() + r * D, D * sizeof(float));
+        else
+          half_to_float_(q.ptr<uint16_t>() + r * D, x, D);
+        bool finite = true;
+        if (qk_s8_) {
+          finite = quantize_row_(x, nullptr, D, q_codes.data() + r * DP, &q_scale[r]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) finite = finite && std::isfinite(x[d]);
+        }
+        if (!finite)
+          fail_invalid(kOp, "input 'query' must be finite, got NaN or Inf in token ", t,
+                       ", head ", h);
+      }
+    });
+
+    // Plan: tasks and partial-result slots.
+    const int64_t G = Hq / Hkv;
+    const int64_t max_q = std::max<int64_t>(1, pa::kMaxRows / G);
+    std::vector<int64_t> part_offset(T), part_count(T);
+    std::vector<pa::Task> tasks;
+    int64_t slots = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t nq = cu_q[s + 1] - cu_q[s];
+      const int64_t first = seq_lens[s] - nq;
+      for (int64_t c = 0; c < nq; c += max_q) {
+        const int64_t n = std::min(max_q, nq - c);
+        const int64_t row0 = cu_q[s] + c, pos0 = first + c;
+        const int64_t visible = pos0 + n;  // keys 0 .. visible - 1 for the chunk's last query
+        if (n == 1) {
+          const int64_t parts = (visible + partition_size_ - 1) / partition_size_;
+          part_offset[row0] = slots;
+          part_count[row0] = parts;
+          slots += parts;
+          for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t ps = 0; ps < parts; ++ps)
+              tasks.push_back({s, h, row0, 1, pos0, ps * partition_size_,
+                               std::min(visible, (ps + 1) * partition_size_), ps});
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            part_offset[row0 + j] = slots++;
+            part_count[row0 + j] = 1;
+          }
+          for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({s, h, row0, n, pos0, 0, visible, 0});
+        }
+      }
+    }
+
+    std::vector<float> part_o(slots * Hq * D), part_m(slots * Hq), part_l(slots * Hq);
+    pa::Params p{};
+    p.key_cache = kc.ptr<int8_t>();
+    p.value_cache = vc.ptr<int8_t>();
+    p.key_scale = ks.ptr<float>();
+    p.value_scale = vs.ptr<float>();
+    p.block_tables = tables;
+    p.max_blocks = M;
+    p.num_kv_heads = Hkv;
+    p.block_size = B;
+    p.log2_block = 0;
+    while ((int64_t{1} << p.log2_block) < B) ++p.log2_block;
+    p.head_dim = D;
+    p.padded_dim = DP;
+    p.num_q_heads = Hq;
+    p.group = G;
+    p.scale = has_scale_ ? scale_ : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    p.qk_s8 = qk_s8_;
+    p.pv = pv_;
+    p.q_codes = q_codes.data();
+    p.q_scale = q_scale.data();
+    p.q_f32 = q_f32.data();
+    p.part_offset = part_offset.data();
+    p.part_o = part_o.data();
+    p.part_m = part_m.data();
+    p.part_l = part_l.data();
+    parallel_for(ctx, tasks.size(), [&](size_t i) {
+      const pa::Task& task = tasks[i];
+      const int64_t R = task.n_q * G;
+      std::vector<const int8_t*> q_codes_r(R), kptr(pa::kTile);
+      std::vector<const float*> q_f32_r(R);
+      std::vector<float> q_scale_r(R), m(R), l(R), gscale(R), out(R * D), score(R * pa::kTile),
+          w(R * pa::kTile), sk(pa::kTile), sv(pa::kTile);
+      std::vector<int64_t> last_pos(R);
+      std::vector<int32_t> iscore(qk_s8_ ? R * pa::kTile : 0), isum(R * D);
+      std::vector<uint8_t> codes(R * pa::kGroup);
+      std::vector<int8_t> vgather(B < pa::kGroup ? D * pa::kGroup : 0);
+      const pa::Scratch sc{q_codes_r.data(), q_f32_r.data(), q_scale_r.data(), m.data(), l.data(),
+                           last_pos.data(), out.data(), iscore.data(), score.data(), w.data(),
+                           kptr.data(), sk.data(), sv.data(), codes.data(), gscale.data(),
+                           isum.data(), vgather.data()};
+      task_(p, task, sc);
+    });
+
+    // Merge each token's key ranges by log-sum-exp: O = sum_p e^(m_p - M) O_p / sum_p e^(m_p - M) l_p.
+    parallel_for(ctx, static_cast<size_t>(T), [&](size_t ti) {
+      const int64_t t = static_cast<int64_t>(ti);
+      std::vector<float> acc(D);
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t base = part_offset[t] * Hq + h;
+        const int64_t parts = part_count[t];
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t ps = 0; ps < parts; ++ps) mx = std::max(mx, part_m[base + ps * Hq]);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float den = 0.0f;
+        for (int64_t ps = 0; ps < parts; ++ps) {
+          const int64_t slot = base + ps * Hq;
+          const float f = parts == 1 ? 1.0f : std::exp(part_m[slot] - mx);
+          den += f * part_l[slot];
+          const float* o = part_o.data() + slot * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += f * o[d];
+        }
+        const float inv = 1.0f / den;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+        const int64_t at = (t * Hq + h) * D;
+        if (q.dtype == F32)
+          std::memcpy(static_cast<float*>(out_raw) + at, acc.data(), D * sizeof(float));
+        else
+          float_to_half_(acc.data(), static_cast<uint16_t*>(out_raw) + at, D);
+      }
+    });
+  }
+
+ private:
+  CpuIsa isa_;
+  bool qk_s8_ = true;
+  pa::PvMode pv_ = pa::PvMode::kS8;
+  int64_t partition_size_ = 256;
+  bool has_scale_ = false;
+  float scale_ = 0.0f;
+  pa::TaskFn task_;
+  dynamic_quant::QuantizeRowFn quantize_row_;
+  HalfToFloatFn half_to_float_;
+  FloatToHalfFn float_to_half_;
+};
+
+}  // namespace
+
+const CustomOp& paged_attention_int8_cpu_op() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  // The output dtype follows the query's, so the query is the one dynamically typed input
+  // (the kernel reports a wrong float dtype); the other inputs have fixed dtypes, which ORT
+  // checks at session creation.
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CPUExecutionProvider",
+             {{ANY}, {I8}, {I8}, {F32}, {F32}, {I32}, {I32}, {I32, true}},
+             {{ANY}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<PagedAttentionInt8Cpu>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops
