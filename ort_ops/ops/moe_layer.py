@@ -169,3 +169,72 @@ def relative_l2(got: np.ndarray, want: np.ndarray) -> float:
     g = np.asarray(got, np.float64)
     w = np.asarray(want, np.float64)
     return float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-300))
+
+
+def build_moe_int8_model(q: QuantizedMoeWeights, top_k: int, renormalize: bool = True,
+                         router_in_graph: bool = True, opset_imports=None):
+    """The INT8 chain as one ONNX model, the expert weights as initializers.
+
+    ``router_in_graph``: inputs ``x`` [T, H] float32 and ``router_logits`` [T, E] float32; the
+    model runs Softmax, TopK (ties: lower expert id first), the optional renormalization and a
+    Cast of the ids to int32 before the chain (com.microsoft.MoE's interface). Otherwise the
+    inputs are ``x``, ``topk_ids`` int32 [T, K] and ``topk_weights`` float32 [T, K].
+    Output ``out`` float32 [T, H]. T is symbolic.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ort_ops._domain import DOMAIN, OPSET_VERSION
+    from ort_ops.ops._schema import IR_VERSION, ONNX_OPSET
+
+    e, h, _ = q.gate_up.shape
+    inits = [numpy_helper.from_array(a, n) for a, n in [
+        (q.gate_up, "w_gate_up"), (q.gate_up_scale, "w_gate_up_scale"),
+        (q.down, "w_down"), (q.down_scale, "w_down_scale")]]
+    nodes = []
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", h])]
+    if router_in_graph:
+        inputs.append(helper.make_tensor_value_info("router_logits", TensorProto.FLOAT, ["T", e]))
+        inits.append(numpy_helper.from_array(np.array([top_k], np.int64), "k"))
+        nodes += [helper.make_node("Softmax", ["router_logits"], ["probs"], axis=-1),
+                  helper.make_node("TopK", ["probs", "k"], ["topk_p", "topk_i64"], axis=-1)]
+        if renormalize:
+            inits.append(numpy_helper.from_array(np.array([-1], np.int64), "last_axis"))
+            nodes += [helper.make_node("ReduceSum", ["topk_p", "last_axis"], ["topk_sum"], keepdims=1),
+                      helper.make_node("Div", ["topk_p", "topk_sum"], ["topk_weights"])]
+        else:
+            nodes.append(helper.make_node("Identity", ["topk_p"], ["topk_weights"]))
+        nodes.append(helper.make_node("Cast", ["topk_i64"], ["topk_ids"], to=TensorProto.INT32))
+    else:
+        inputs += [helper.make_tensor_value_info("topk_ids", TensorProto.INT32, ["T", top_k]),
+                   helper.make_tensor_value_info("topk_weights", TensorProto.FLOAT, ["T", top_k])]
+    d = dict(domain=DOMAIN)
+    nodes += [
+        helper.make_node("MoeInitRouting", ["x", "topk_ids"], ["sorted_x", "sorted_to_flat", "group_list"],
+                         num_experts=e, **d),
+        helper.make_node("DynamicQuant", ["sorted_x"], ["xq", "x_scale"], **d),
+        helper.make_node("GroupedMatmulSwigluQuant", ["xq", "w_gate_up", "w_gate_up_scale", "x_scale", "group_list"],
+                         ["hq", "h_scale", "h_offset"], **d),
+        helper.make_node("GroupedMatmulDequant", ["hq", "w_down", "w_down_scale", "h_scale", "group_list"],
+                         ["expert_out"], **d),
+    ]
+    fin_inputs = ["expert_out", "sorted_to_flat", "topk_weights"]
+    if q.shared_gate_up is not None:
+        inits += [numpy_helper.from_array(a, n) for a, n in [
+            (q.shared_gate_up, "s_gate_up"), (q.shared_gate_up_scale, "s_gate_up_scale"),
+            (q.shared_down, "s_down"), (q.shared_down_scale, "s_down_scale")]]
+        nodes += [
+            # The shared expert is a one-expert group holding every token: group_list = [T].
+            helper.make_node("Shape", ["x"], ["s_group_list"], start=0, end=1),
+            helper.make_node("DynamicQuant", ["x"], ["s_xq", "s_x_scale"], **d),
+            helper.make_node("GroupedMatmulSwigluQuant", ["s_xq", "s_gate_up", "s_gate_up_scale", "s_x_scale",
+                                                         "s_group_list"], ["s_hq", "s_h_scale", "s_h_offset"], **d),
+            helper.make_node("GroupedMatmulDequant", ["s_hq", "s_down", "s_down_scale", "s_h_scale", "s_group_list"],
+                             ["shared_out"], **d),
+        ]
+        fin_inputs.append("shared_out")
+    nodes.append(helper.make_node("MoeFinalizeRouting", fin_inputs, ["out"], **d))
+    graph = helper.make_graph(nodes, "moe_int8", inputs,
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", h])], inits)
+    return helper.make_model(graph, ir_version=IR_VERSION,
+                             opset_imports=opset_imports or [helper.make_opsetid("", ONNX_OPSET),
+                                                             helper.make_opsetid(DOMAIN, OPSET_VERSION)])
