@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: MIT
+"""GroupedMatmulSwigluQuant on the GPU against torch peers, in one run (run on the H200).
+
+Shapes: E experts top-k, hidden H (= K), intermediate I (N = 2 I for the SwiGLU GEMM), tokens T,
+so M = T * k routed rows, sorted by expert (uniform random routing, k distinct experts a token).
+
+Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed before
+every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
+  ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out)
+  bf16      torch._grouped_mm bf16 GEMM + torch SwiGLU (fp32) + torch per-row INT8 quantization
+  fp8 gemm  torch._scaled_grouped_mm fp8 e4m3 GEMM only (row-wise scales, bf16 out)
+Reported: median and p90 us, ratio bf16/ours, TOP/s (2 M K N / t) against the measured INT8
+peak (920 TOP/s), and the bytes a perfect kernel moves (weights of non-empty experts + x + y)
+against the measured copy ceiling (4.28 TB/s).
+
+One correctness check before timing: our codes against ort_ops.reference (all rows when
+M <= 2048, else the rows of the first two experts). Benchmarks never assert.
+
+    python benchmarks/bench_moe_cuda.py [--tokens 16,256,4096] [--experts 8x2,64x8] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+INT8_PEAK_TOPS = 920.0   # torch._int_mm 8192^3, B column-major, measured on the H200 (GPU.md)
+COPY_TBPS = 4.28         # device-to-device copy, read + write (GPU.md)
+
+
+def routing(rng, t, e, k):
+    """Per-expert row counts of T tokens each routed to k distinct experts (uniform)."""
+    ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]
+    return np.bincount(ids.ravel(), minlength=e).astype(np.int64)
+
+
+def time_graph(torch, fn, iters, flush):
+    """Median and p90 (us) of replays of a CUDA graph of fn(), L2 flushed before each."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            fn()
+        replay = g.replay
+    except RuntimeError as ex:  # a launch that stream capture refuses: time it eagerly
+        print(f"  (graph capture failed, timing eagerly: {str(ex)[:120]})")
+        torch.cuda.synchronize()
+        replay = fn
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return float(np.median(times)), float(np.percentile(times, 90))
+
+
+def check(torch, runner, x, w, ws, xs, counts):
+    """Fraction of our codes equal to the reference's, and whether the scales match exactly."""
+    from ort_ops import reference
+
+    gl = np.cumsum(counts)
+    runner.poison()
+    runner.launch()
+    err = runner.error_word()
+    y = runner.y.cpu().numpy()
+    ys = runner.y_scale.cpu().numpy()
+    m = x.shape[0]
+    if m <= 2048:
+        rows, ry, rys = m, *reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl)[:2]
+    else:
+        rows = int(gl[1])
+        ry, rys = reference.grouped_matmul_swiglu_quant(x[:rows], w[:2], ws[:2], xs[:rows], gl[:2])[:2]
+    return err, float(np.mean(y[:rows] == ry)), bool(np.array_equal(ys[:rows], rys))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="16,256,4096")
+    ap.add_argument("--experts", default="8x2,64x8", help="E x top-k list")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=1408)
+    ap.add_argument("--configs", default="auto", help="kernel tile configs to time: auto,bm16,bm64,bm128")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from ort_ops._cuda_kernels import GmsqRunner, cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason:
+        print(f"bench_moe_cuda: cannot run: {reason}")
+        return 2
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    k_dim, inter = args.hidden, args.inter
+    n_dim = 2 * inter
+    rows_out = []
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  H={k_dim} I={inter}", flush=True)
+    for spec in args.experts.split(","):
+        e, topk = (int(v) for v in spec.split("x"))
+        w = rng.integers(-127, 128, (e, k_dim, n_dim), dtype=np.int8)
+        ws = (rng.uniform(0.2, 1.0, (e, n_dim)) / 127).astype(np.float32)
+        w_d = torch.from_numpy(w).to(dev)
+        ws_d = torch.from_numpy(ws).to(dev)
+        # bf16 / fp8 peers: the same weights dequantized; fp8 wants B column-major ([E, N, K]^T).
+        w_bf16 = (w_d.float() * ws_d[:, None, :]).to(torch.bfloat16)
+        try:
+            w_fp8 = w_bf16.transpose(1, 2).contiguous().to(torch.float8_e4m3fn).transpose(1, 2)
+            wsc_fp8 = torch.ones((e, n_dim), dtype=torch.float32, device=dev)
+        except Exception as ex:  # noqa: BLE001 - reported, not fatal
+            w_fp8, fp8_reason = None, f"{type(ex).__name__}: {ex}"
+        for t in (int(v) for v in args.tokens.split(",")):
+            counts = routing(rng, t, e, topk)
+            m = int(counts.sum())
+            x = rng.integers(-128, 128, (m, k_dim), dtype=np.int8)
+            xs = (rng.uniform(0.2, 1.0, m) * 3 * 20 / (127 * np.sqrt(k_dim))).astype(np.float32)
+            x_d = torch.from_numpy(x).to(dev)
+            xs_d = torch.from_numpy(xs).to(dev)
+            gl_d = torch.from_numpy(np.cumsum(counts)).to(dev)
+            offs = torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(dev)
+            active = int(np.count_nonzero(counts))
+            ops = 2.0 * m * k_dim * n_dim
+            bytes_min = active * k_dim * n_dim + m * k_dim + m * inter + 8 * m
+            label = f"{e}e top{topk} T={t}"
+
+            results = {}
+            for cfg in args.configs.split(","):
+                runner = GmsqRunner(x_d, w_d, ws_d, xs_d, gl_d, config=cfg)
+                if not args.no_check and cfg == args.configs.split(",")[0]:
+                    err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
+                    print(f"{label}: check vs reference ({cfg}): err word {err}, codes equal {eq:.6f}, "
+                          f"scales bit-equal {scales_eq}", flush=True)
+                results[f"ours[{cfg}]"] = time_graph(torch, runner.launch, args.iters, flush)
+
+            x_bf16 = (x_d.float() * xs_d[:, None]).to(torch.bfloat16)
+
+            def bf16_peer():
+                c = torch._grouped_mm(x_bf16, w_bf16, offs=offs, out_dtype=torch.bfloat16)
+                a, g = c.float().split(inter, dim=1)
+                s = F.silu(a) * g
+                amax = s.abs().amax(dim=1, keepdim=True)
+                q = torch.round(s * (127.0 / amax)).clamp_(-127, 127).to(torch.int8)
+                return q, (amax / 127.0).squeeze(1)
+
+            try:
+                results["bf16 grouped_mm+swiglu+quant"] = time_graph(torch, bf16_peer, args.iters, flush)
+            except Exception as ex:  # noqa: BLE001
+                print(f"{label}: bf16 peer failed: {type(ex).__name__}: {ex}")
+            if w_fp8 is not None:
+                x_fp8 = x_bf16.to(torch.float8_e4m3fn)
+                sa = torch.ones(m, dtype=torch.float32, device=dev)
+
+                def fp8_peer():
+                    return torch._scaled_grouped_mm(x_fp8, w_fp8, sa, wsc_fp8, offs=offs,
+                                                    out_dtype=torch.bfloat16)
+
+                try:
+                    results["fp8 scaled_grouped_mm (GEMM only)"] = time_graph(torch, fp8_peer, args.iters, flush)
+                except Exception as ex:  # noqa: BLE001
+                    print(f"{label}: fp8 peer failed: {type(ex).__name__}: {str(ex)[:300]}")
+            else:
+                print(f"{label}: fp8 peer unavailable: {fp8_reason}")
+
+            base = results.get("bf16 grouped_mm+swiglu+quant", (float("nan"),))[0]
+            for name, (med, p90) in results.items():
+                row = dict(case=label, E=e, topk=topk, tokens=t, M=m, active_experts=active, impl=name,
+                           median_us=round(med, 2), p90_us=round(p90, 2),
+                           speedup_vs_bf16=round(base / med, 2),
+                           tops=round(ops / med / 1e6, 1), pct_int8_peak=round(100 * ops / med / 1e6 / INT8_PEAK_TOPS, 1),
+                           tbps=round(bytes_min / med / 1e6, 2), pct_copy=round(100 * bytes_min / med / 1e6 / COPY_TBPS, 1))
+                rows_out.append(row)
+            torch.cuda.empty_cache()
+
+    cols = ["case", "impl", "median_us", "p90_us", "speedup_vs_bf16", "tops", "pct_int8_peak", "tbps", "pct_copy"]
+    print("\n" + " | ".join(cols))
+    for r in rows_out:
+        print(" | ".join(str(r[c]) for c in cols))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+            wr.writeheader()
+            wr.writerows(rows_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,618 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulSwigluQuant CUDA kernel: one fused grouped INT8 GEMM on tensor cores
+// (mma.sync m16n8k32 s8.s8.s32) whose epilogue dequantizes, applies SwiGLU and quantizes each
+// output row to INT8, with no float intermediate in device memory. Spec: ort_ops/ops/_moe.py.
+//
+// Tiling. A tile is BM rows of one expert x 128 output columns, i.e. 128 gate (A) columns and
+// the matching 128 up (G) columns of the GEMM, so SwiGLU pairs sit in one thread's registers.
+// The row max for the per-row quantization needs all N/2 outputs of a row, which no single
+// tile holds (N/2 = 1408 would need BM x 2816 int32 accumulators). So the kernel is a
+// persistent cooperative grid: the C = ceil(N/2 / 128) column tiles of one row block run at
+// the same time on C co-resident CTAs; each CTA keeps its S tile in registers, publishes its
+// partial row max with atomicMax (float bits, S >= 0 after fabs), arrives on the row block's
+// counter and waits for the C arrivals, then reads the final max and writes its codes. Peers
+// of a row block always come from the same "slot group" of C CTAs that walks the same row
+// blocks in the same order, and the cooperative launch guarantees they are co-resident, so the
+// wait cannot deadlock. Thread-block clusters (DSMEM) were the alternative; they cap the group
+// at 8 (16 non-portable) CTAs, and 1408 / 8 columns per CTA do not fit in registers at BM 128.
+//
+// Row blocks are laid out expert by expert from group_list on the device (no host round
+// trip): expert e owns ceil(rows_e / BM) row blocks, so an empty expert costs nothing.
+//
+// B operand. The contract's weight layout [E, K, N] has N innermost, but the INT8 MMA wants
+// each B register to hold 4 consecutive k of one column. A lane reads four 32-bit words (k
+// rows 4t..4t+3, columns 4g..4g+3) and transposes the 4x4 bytes with 8 PRMTs; the four
+// results are the B registers of four n8 tiles whose "column g" is physical column 4g + i.
+// Relabelling columns this way is free: in the accumulators, lane (g, t) then holds physical
+// columns 8t..8t+7 of rows g and g+8, so the epilogue stores 8 contiguous codes per row.
+//
+// Exactness: every float32 operation of the reference is done with an explicit _rn intrinsic
+// in the reference's order (no FMA contraction), including the contract's polynomial exp.
+#include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#if defined(_WIN32)
+#define ORT_OPS_CUDA_EXPORT extern "C" __declspec(dllexport)
+#else
+#define ORT_OPS_CUDA_EXPORT extern "C" __attribute__((visibility("default")))
+#endif
+
+namespace ort_ops::gmsq_cuda {
+namespace {
+
+constexpr int kBK = 64;                       // k per pipeline stage: two m16n8k32 steps
+constexpr int kWarpsN = 4;                    // warps across the columns of a tile
+constexpr int kOutPerWarp = 32;               // output columns per warp (one transposed quad)
+constexpr int kBNh = kWarpsN * kOutPerWarp;   // 128 output columns per tile
+constexpr int kBRow = 2 * kBNh;               // 256 bytes per k row of the B tile (gate | up)
+constexpr int kMaxK = 131071;                 // K * 128 * 128 < 2^31: exact int32
+
+// ---- device helpers -------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; `valid` false writes 16 zero bytes and reads nothing (src-size 0).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the library is built for sm_80+ only (ORT_OPS_CUDA_ARCHS)
+#endif
+}
+
+// 4x4 byte transpose: w[r] holds bytes (k = r, columns 0..3); out[i] holds (k = 0..3, column i),
+// k ascending from the low byte, which is the order the MMA's B register wants.
+__device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t& o0, uint32_t& o1,
+                                             uint32_t& o2, uint32_t& o3) {
+  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140);  // w0.b0 w1.b0 w0.b1 w1.b1
+  const uint32_t x1 = __byte_perm(w[0], w[1], 0x7362);  // w0.b2 w1.b2 w0.b3 w1.b3
+  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140);
+  const uint32_t y1 = __byte_perm(w[2], w[3], 0x7362);
+  o0 = __byte_perm(x0, y0, 0x5410);
+  o1 = __byte_perm(x0, y0, 0x7632);
+  o2 = __byte_perm(x1, y1, 0x5410);
+  o3 = __byte_perm(x1, y1, 0x7632);
+}
+
+// The contract's float32 constants, rounded from double exactly as numpy's np.float32(...) does.
+#define F32C(v) static_cast<float>(v)
+
+// exp_f32 of ort_ops/ops/_moe.py, operation for operation (no FMA: each op rounds).
+__device__ __forceinline__ float exp_f32(float v) {
+  const float t = fminf(fmaxf(v, F32C(-87.0)), F32C(88.0));
+  const float n = rintf(__fmul_rn(t, F32C(1.44269504088896341)));
+  float r = __fsub_rn(t, __fmul_rn(n, F32C(0.693359375)));
+  r = __fsub_rn(r, __fmul_rn(n, F32C(-2.12194440e-4)));
+  float p = F32C(1.9875691500e-4);
+  p = __fadd_rn(__fmul_rn(p, r), F32C(1.3981999507e-3));
+  p = __fadd_rn(__fmul_rn(p, r), F32C(8.3334519073e-3));
+  p = __fadd_rn(__fmul_rn(p, r), F32C(4.1665795894e-2));
+  p = __fadd_rn(__fmul_rn(p, r), F32C(1.6666665459e-1));
+  p = __fadd_rn(__fmul_rn(p, r), F32C(5.0000001201e-1));
+  const float z = __fmul_rn(r, r);
+  float y = __fmul_rn(p, z);
+  y = __fadd_rn(y, r);
+  y = __fadd_rn(y, 1.0f);
+  // n in [-126, 127] and y in [0.7, 1.42]: 2^n is a normal float and y * 2^n is exact.
+  return __fmul_rn(y, __int_as_float((static_cast<int>(n) + 127) << 23));
+}
+
+// S = (a / (1 + exp_f32(-a))) * g.
+__device__ __forceinline__ float swiglu_f32(float a, float g) {
+  const float d = __fadd_rn(1.0f, exp_f32(-a));
+  return __fmul_rn(__fdiv_rn(a, d), g);
+}
+
+__device__ __forceinline__ int quant_code(float s, float inv) {
+  const float q = rintf(__fmul_rn(s, inv));
+  return static_cast<int>(fminf(fmaxf(q, -127.0f), 127.0f));
+}
+
+__device__ __forceinline__ int64_t warp_scan_add(int64_t v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+__device__ __forceinline__ int64_t warp_scan_max(int64_t v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v = max(v, u);
+  }
+  return v;
+}
+
+// ---- the kernel -----------------------------------------------------------------------------
+
+template <int WARPS_M, int MT, int STAGES>
+struct Cfg {
+  static constexpr int kWarps = WARPS_M * kWarpsN;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBM = WARPS_M * MT * 16;
+  static constexpr int kAStage = kBM * kBK;      // A tile [BM][64], 16-byte chunks swizzled
+  static constexpr int kBStage = kBK * kBRow;    // B tile [64][256], 16-byte chunks swizzled
+  static constexpr int kStage = kAStage + kBStage;
+  static constexpr int kPipe = STAGES * kStage;
+  static constexpr int kMapInts = 2 * (kGmsqMaxExperts + 1);   // row ends, block prefix
+  static constexpr int kSmem = kPipe + 4 * kMapInts + 4 * kWarpsN * kBM;
+};
+
+struct Scratch {
+  int* err;
+  float* amax;     // [M] row max of |S| as float bits (atomicMax on int: S >= 0)
+  int* counters;   // [max row blocks] arrivals per row block
+};
+
+template <int WARPS_M, int MT, int STAGES>
+__global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
+    gmsq_kernel(const GmsqParams p, const Scratch ws, const int col_tiles) {
+  using C = Cfg<WARPS_M, MT, STAGES>;
+  constexpr int BM = C::kBM;
+  constexpr int T = C::kThreads;
+  extern __shared__ __align__(128) uint8_t smem[];
+  int* ends_s = reinterpret_cast<int*>(smem + C::kPipe);       // [E + 1]
+  int* blk_s = ends_s + (kGmsqMaxExperts + 1);                   // [E + 1]
+  float* red_s = reinterpret_cast<float*>(blk_s + (kGmsqMaxExperts + 1));  // [kWarpsN][BM]
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wm = warp / kWarpsN;
+  const int wn = warp % kWarpsN;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int M = static_cast<int>(p.m);
+  const int K = static_cast<int>(p.k);
+  const int N = static_cast<int>(p.n);
+  const int half = N / 2;
+  const int E = static_cast<int>(p.e);
+
+  for (int i = blockIdx.x * T + tid; i < M; i += gridDim.x * T) p.y_offset[i] = 0.0f;
+
+  // Tile map (warp 0): sanitized group ends and the row-block prefix, both in shared memory.
+  // An invalid group_list sets kErrGroupList and is clamped so nothing runs out of bounds.
+  if (warp == 0) {
+    const int per = (E + 31) / 32;
+    const int e0 = min(E, lane * per);
+    const int e1 = min(E, e0 + per);
+    bool bad = false;
+    int64_t run = 0;  // lane-local running sum (counts) or max (ends)
+    for (int e = e0; e < e1; ++e) {
+      int64_t v = p.group_list[e];
+      if (v < 0) bad = true;
+      v = (v < 0 ? int64_t{0} : v);
+      if (p.group_list_type == 1) {
+        run += (v < M ? v : int64_t{M});
+      } else {
+        if (v < run) bad = true;  // decreasing inside this lane's chunk
+        run = max(run, v);
+      }
+    }
+    int64_t incl, excl;
+    if (p.group_list_type == 1) {
+      incl = warp_scan_add(run, lane);
+      excl = incl - run;
+    } else {
+      incl = warp_scan_max(run, lane);
+      excl = __shfl_up_sync(0xffffffffu, incl, 1);
+      if (lane == 0) excl = 0;
+    }
+    int64_t acc = excl;
+    for (int e = e0; e < e1; ++e) {
+      int64_t v = (p.group_list[e] < 0 ? int64_t{0} : p.group_list[e]);
+      if (p.group_list_type == 1) {
+        acc += (v < M ? v : int64_t{M});
+      } else {
+        if (v < acc) bad = true;  // decreasing across a chunk boundary
+        acc = max(acc, v);
+      }
+      if (acc > M) bad = true;
+      ends_s[e + 1] = static_cast<int>((acc < M ? acc : int64_t{M}));
+    }
+    if (lane == 0) ends_s[0] = 0;
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(ws.err, kErrGroupList);
+    __syncwarp();
+    int64_t nb = 0;
+    for (int e = e0; e < e1; ++e) nb += (ends_s[e + 1] - ends_s[e] + BM - 1) / BM;
+    const int64_t nb_incl = warp_scan_add(nb, lane);
+    int64_t b = nb_incl - nb;
+    for (int e = e0; e < e1; ++e) {
+      b += (ends_s[e + 1] - ends_s[e] + BM - 1) / BM;
+      blk_s[e + 1] = static_cast<int>(b);
+    }
+    if (lane == 0) blk_s[0] = 0;
+  }
+  __syncthreads();
+  const int total_blocks = blk_s[E];
+  const int rows_end = ends_s[E];
+
+  const int slots = gridDim.x / col_tiles;  // row blocks per round
+  const int slot = blockIdx.x / col_tiles;
+  const int ct = blockIdx.x % col_tiles;
+  const int col0 = ct * kBNh;  // first output column of this CTA's tiles
+  const int KT = (K + kBK - 1) / kBK;
+
+  // Per-thread constant smem offsets. B: lane (g, t) reads k rows 4t..4t+3 of columns 4g..4g+3
+  // in its warp's 32-column quad; the chunk swizzle (chunk ^ 2t) makes the 4 t's hit 4 disjoint
+  // bank groups (row stride 256 B maps every row to bank 0 otherwise: a 4-way conflict).
+  const uint32_t b_lane_off =
+      4 * t * kBRow + ((((wn * 2) + (g >> 2)) ^ (t << 1)) << 4) + (g & 3) * 4;
+  const int a_row_in = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of this lane
+  const int a_chunk_hi = lane >> 4;                          // k 0-15 or 16-31 of a k32 step
+
+  for (int rb = slot; rb < total_blocks; rb += slots) {
+    // Which expert owns row block rb: the last e with blk_s[e] <= rb (blk_s is non-decreasing).
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (blk_s[mid] <= rb) lo = mid; else hi = mid - 1;
+    }
+    const int e = lo;
+    const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
+    const int rows = min(BM, ends_s[e + 1] - row0);
+    const int8_t* xg = p.x + static_cast<int64_t>(row0) * K;
+    const int8_t* wg = p.weight + static_cast<int64_t>(e) * K * N;
+
+    auto load_stage = [&](int stage, int kt) {
+      uint8_t* as = smem + stage * C::kStage;
+      uint8_t* bs = as + C::kAStage;
+      const int k0 = kt * kBK;
+#pragma unroll
+      for (int i0 = 0; i0 < BM * 4; i0 += T) {
+        const int i = i0 + tid;
+        if (BM * 4 % T == 0 || i < BM * 4) {
+          const int r = i >> 2, ch = i & 3, kk = k0 + ch * 16;
+          const bool ok = r < rows && kk < K;
+          cp_async16(smem_addr(as + r * kBK + ((ch ^ ((r >> 1) & 3)) << 4)),
+                     ok ? static_cast<const void*>(xg + static_cast<int64_t>(r) * K + kk)
+                        : static_cast<const void*>(p.x),
+                     ok);
+        }
+      }
+#pragma unroll
+      for (int i0 = 0; i0 < kBK * 16; i0 += T) {
+        const int i = i0 + tid;
+        const int kr = i >> 4, cc = i & 15, kk = k0 + kr;
+        const int hcol = col0 + (cc & 7) * 16;
+        const bool ok = kk < K && hcol < half;
+        const int col = (cc >= 8 ? half : 0) + hcol;
+        cp_async16(smem_addr(bs + kr * kBRow + ((cc ^ (((kr >> 2) & 3) << 1)) << 4)),
+                   ok ? static_cast<const void*>(wg + static_cast<int64_t>(kk) * N + col)
+                      : static_cast<const void*>(p.weight),
+                   ok);
+      }
+    };
+
+    int acc[MT][8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][nt][j] = 0;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < KT) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      {
+        const int nk = kt + STAGES - 1;
+        if (nk < KT) load_stage(nk % STAGES, nk);
+        cp_async_commit();
+      }
+      const uint8_t* as = smem + (kt % STAGES) * C::kStage;
+      const uint32_t as_addr = smem_addr(as);
+      const uint32_t bs_addr = as_addr + C::kAStage + b_lane_off;
+#pragma unroll
+      for (int kb = 0; kb < 2; ++kb) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int r = (wm * MT + mt) * 16 + a_row_in;
+          const int ch = kb * 2 + a_chunk_hi;
+          ldmatrix_x4(a[mt], as_addr + r * kBK + ((ch ^ ((r >> 1) & 3)) << 4));
+        }
+        uint32_t b[8][2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t w[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              w[r] = lds32(bs_addr + (kb * 32 + h * 16 + r) * kBRow + q * kBNh);
+            transpose4x4(w, b[q * 4 + 0][h], b[q * 4 + 1][h], b[q * 4 + 2][h], b[q * 4 + 3][h]);
+          }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if ((wm * MT + mt) * 16 < rows) {  // warp-uniform: skip m tiles with no valid row
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) mma_s8(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue: dequantize, SwiGLU, partial row max ----
+    const int ocol = col0 + wn * kOutPerWarp + 8 * t;  // this lane's 8 output columns
+    const bool col_ok = ocol < half;                    // half % 16 == 0: all 8 or none
+    float wsa[8], wsg[8];
+    {
+      const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
+      float4 v0 = make_float4(0.f, 0.f, 0.f, 0.f), v1 = v0, v2 = v0, v3 = v0;
+      if (col_ok) {
+        v0 = *reinterpret_cast<const float4*>(wsr + ocol);
+        v1 = *reinterpret_cast<const float4*>(wsr + ocol + 4);
+        v2 = *reinterpret_cast<const float4*>(wsr + half + ocol);
+        v3 = *reinterpret_cast<const float4*>(wsr + half + ocol + 4);
+      }
+      wsa[0] = v0.x; wsa[1] = v0.y; wsa[2] = v0.z; wsa[3] = v0.w;
+      wsa[4] = v1.x; wsa[5] = v1.y; wsa[6] = v1.z; wsa[7] = v1.w;
+      wsg[0] = v2.x; wsg[1] = v2.y; wsg[2] = v2.z; wsg[3] = v2.w;
+      wsg[4] = v3.x; wsg[5] = v3.y; wsg[6] = v3.z; wsg[7] = v3.w;
+    }
+    float s[MT][2][8];
+    float rmax[MT][2];
+    bool nonfinite = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = (wm * MT + mt) * 16 + g + 8 * hh;
+        const float xs = r < rows ? p.x_scale[row0 + r] : 0.0f;
+        float m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            // acc[mt][i][j] and acc[mt][4 + i][j] (j = 2 hh + jj) are the gate and up
+            // products of physical column 8t + 4jj + i (see the B-operand note above).
+            const int c = 4 * jj + i;
+            const float ca =
+                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][i][2 * hh + jj]), xs), wsa[c]);
+            const float cg =
+                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][4 + i][2 * hh + jj]), xs), wsg[c]);
+            if (!isfinite(ca) || !isfinite(cg)) nonfinite = true;
+            const float v = swiglu_f32(ca, cg);
+            if (!isfinite(v)) nonfinite = true;  // s * g overflowed: the reference refuses it
+            s[mt][hh][c] = v;
+            m = fmaxf(m, fabsf(v));
+          }
+        rmax[mt][hh] = m;
+      }
+    if (nonfinite) atomicOr(ws.err, kErrNonFinite);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float m = rmax[mt][hh];
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        if (t == 0) red_s[wn * BM + (wm * MT + mt) * 16 + g + 8 * hh] = m;
+      }
+    __syncthreads();
+    for (int r = tid; r < rows; r += T) {
+      float m = red_s[r];
+#pragma unroll
+      for (int w = 1; w < kWarpsN; ++w) m = fmaxf(m, red_s[w * BM + r]);
+      if (m > 0.0f) atomicMax(reinterpret_cast<int*>(ws.amax) + row0 + r, __float_as_int(m));
+    }
+    __threadfence();
+    __syncthreads();
+    // Arrive on this row block and wait for its col_tiles CTAs (all co-resident: see top).
+    if (tid == 0) {
+      int* cnt = ws.counters + rb;
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(cnt) : "memory");
+      int seen = 0;
+      for (;;) {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(cnt) : "memory");
+        if (seen >= col_tiles) break;
+        __nanosleep(32);
+      }
+    }
+    __syncthreads();
+
+    // ---- quantize with the row's final max and store 8 codes per row per lane ----
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = (wm * MT + mt) * 16 + g + 8 * hh;
+        if (r < rows && col_ok) {
+          const float amax = __ldcg(ws.amax + row0 + r);
+          const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+          uint32_t lo = 0, hi = 0;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            lo |= (static_cast<uint32_t>(quant_code(s[mt][hh][c], inv)) & 0xffu) << (8 * c);
+            hi |= (static_cast<uint32_t>(quant_code(s[mt][hh][4 + c], inv)) & 0xffu) << (8 * c);
+          }
+          *reinterpret_cast<uint2*>(p.y + static_cast<int64_t>(row0 + r) * half + ocol) =
+              make_uint2(lo, hi);
+        }
+      }
+    if (ct == 0) {
+      for (int r = tid; r < rows; r += T)
+        p.y_scale[row0 + r] = __fdiv_rn(__ldcg(ws.amax + row0 + r), 127.0f);
+    }
+    __syncthreads();  // red_s and the pipeline buffers are reused by the next row block
+  }
+
+  // Rows at or past the last group end: codes 0, scale 0 (the contract's deviation from Ascend).
+  const int tail = M - rows_end;
+  if (tail > 0) {
+    const int chunks = half / 16;
+    const int64_t total = static_cast<int64_t>(tail) * chunks;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * T + tid; i < total;
+         i += static_cast<int64_t>(gridDim.x) * T) {
+      const int64_t r = rows_end + i / chunks;
+      *reinterpret_cast<uint4*>(p.y + r * half + (i % chunks) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    for (int i = rows_end + blockIdx.x * T + tid; i < M; i += gridDim.x * T) p.y_scale[i] = 0.0f;
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------------
+
+struct LaunchInfo {
+  int blocks_per_sm = 0;
+  int sms = 0;
+  cudaError_t err = cudaSuccess;
+};
+
+template <int WARPS_M, int MT, int STAGES>
+LaunchInfo launch_info(int device) {
+  // Per device: raise the kernel's dynamic shared-memory limit once, read its occupancy.
+  static std::mutex mu;
+  static LaunchInfo cache[64];
+  static bool done[64] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0 || device >= 64) return LaunchInfo{0, 0, cudaErrorInvalidDevice};
+  if (!done[device]) {
+    using C = Cfg<WARPS_M, MT, STAGES>;
+    LaunchInfo li;
+    auto kernel = gmsq_kernel<WARPS_M, MT, STAGES>;
+    li.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    if (li.err == cudaSuccess)
+      li.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&li.blocks_per_sm, kernel,
+                                                             C::kThreads, C::kSmem);
+    if (li.err == cudaSuccess)
+      li.err = cudaDeviceGetAttribute(&li.sms, cudaDevAttrMultiProcessorCount, device);
+    cache[device] = li;
+    done[device] = true;
+  }
+  return cache[device];
+}
+
+template <int WARPS_M, int MT, int STAGES>
+cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t stream) {
+  using C = Cfg<WARPS_M, MT, STAGES>;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const LaunchInfo li = launch_info<WARPS_M, MT, STAGES>(device);
+  if (li.err != cudaSuccess) return li.err;
+  const int64_t half = p.n / 2;
+  const int col_tiles = static_cast<int>(std::max<int64_t>(1, (half + kBNh - 1) / kBNh));
+  const int64_t co_resident = static_cast<int64_t>(li.blocks_per_sm) * li.sms;
+  const int64_t max_blocks = (p.m + C::kBM - 1) / C::kBM + p.e;  // row blocks, upper bound
+  const int64_t slots = std::min<int64_t>(co_resident / col_tiles, std::max<int64_t>(1, max_blocks));
+  if (slots < 1) return cudaErrorCooperativeLaunchTooLarge;  // N/2 needs more co-resident CTAs
+  // Cooperative launch (co-residency of the whole grid) through cudaLaunchKernelEx, which
+  // stream capture records as a cooperative graph node.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(slots * col_tiles));
+  cfg.blockDim = dim3(C::kThreads);
+  cfg.dynamicSmemBytes = C::kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, gmsq_kernel<WARPS_M, MT, STAGES>, p, s, col_tiles);
+}
+
+size_t align16(size_t v) { return (v + 15) / 16 * 16; }
+
+}  // namespace
+
+size_t gmsq_workspace_bytes(int64_t m, int64_t e) {
+  const int64_t max_blocks = (m + 15) / 16 + e + 1;  // smallest BM is 16
+  return 16 + align16(4 * static_cast<size_t>(m)) + align16(4 * static_cast<size_t>(max_blocks));
+}
+
+cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
+  if (p.m < 0 || p.m >= (int64_t{1} << 31) || p.k < 0 || p.k > kMaxK || p.k % 16 != 0 ||
+      p.n < 0 || p.n % 32 != 0 || p.e < 0 || p.e > kGmsqMaxExperts ||
+      (p.group_list_type != 0 && p.group_list_type != 1) || p.config < kGmsqAuto ||
+      p.config >= kGmsqNumConfigs || p.n * (p.m / 2 + 1) >= (int64_t{1} << 40))
+    return cudaErrorInvalidValue;
+  Scratch s;
+  s.err = static_cast<int*>(p.workspace);
+  s.amax = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + 16);
+  s.counters = reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16 +
+                                      align16(4 * static_cast<size_t>(p.m)));
+  cudaError_t err =
+      cudaMemsetAsync(p.workspace, 0, gmsq_workspace_bytes(p.m, p.e), stream);
+  if (err != cudaSuccess || p.m == 0) return err;
+  if (p.n == 0 || p.e == 0) {
+    // No output columns or no experts: every row is "past the last group", scale 0.
+    if ((err = cudaMemsetAsync(p.y_scale, 0, 4 * p.m, stream)) != cudaSuccess) return err;
+    if (p.n > 0 && (err = cudaMemsetAsync(p.y, 0, p.m * (p.n / 2), stream)) != cudaSuccess)
+      return err;
+    return cudaMemsetAsync(p.y_offset, 0, 4 * p.m, stream);
+  }
+  int config = p.config;
+  if (config == kGmsqAuto) {
+    // Rows per expert on average: few rows make the op a weight stream (small BM, more CTAs in
+    // flight per byte of B); many rows make it a GEMM (BM 128 reuses each B tile 128 times).
+    const int64_t avg = p.m / p.e;
+    config = avg <= 24 ? kGmsqBm16 : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
+  }
+  switch (config) {
+    case kGmsqBm16: return launch_cfg<1, 1, 6>(p, s, stream);
+    case kGmsqBm64: return launch_cfg<2, 2, 4>(p, s, stream);
+    default: return launch_cfg<2, 4, 4>(p, s, stream);
+  }
+}
+
+}  // namespace ort_ops::gmsq_cuda
+
+ORT_OPS_CUDA_EXPORT int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight,
+                                          const float* w_scale, const float* x_scale,
+                                          const int64_t* group_list, int8_t* y, float* y_scale,
+                                          float* y_offset, void* workspace, int64_t m, int64_t k,
+                                          int64_t n, int64_t e, int group_list_type, int config,
+                                          void* stream) {
+  using namespace ort_ops::gmsq_cuda;
+  GmsqParams p{x, weight, w_scale, x_scale, group_list, y, y_scale, y_offset, workspace,
+               m, k, n, e, group_list_type, config};
+  return static_cast<int>(launch_gmsq(p, static_cast<cudaStream_t>(stream)));
+}
+
+ORT_OPS_CUDA_EXPORT size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e) {
+  return ort_ops::gmsq_cuda::gmsq_workspace_bytes(m, e);
+}

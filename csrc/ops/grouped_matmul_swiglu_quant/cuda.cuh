@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulSwigluQuant on NVIDIA INT8 tensor cores (mma.sync m16n8k32 s8.s8.s32, sm_80+):
+// the launcher prototype on raw device pointers (no ORT headers). Spec: ort_ops/ops/_moe.py
+// and ort_ops/ops/grouped_matmul_swiglu_quant.py (reference).
+//
+// Alphabet: M rows, K reduction, N GEMM columns (N/2 outputs), E experts.
+//   x        int8    [M, K]          row-major
+//   weight   int8    [E, K, N]       row-major (the contract's layout; transposed in registers)
+//   w_scale  float32 [E, N]
+//   x_scale  float32 [M]
+//   group_list int64 [E]             device memory; cumulative ends (type 0) or counts (type 1)
+//   y        int8    [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros)
+//
+// Requirements (checked by the launcher, cudaErrorInvalidValue otherwise; op.cc refuses them
+// first with a message): K % 16 == 0 and N % 32 == 0 (16-byte cp.async rows; the SwiGLU up
+// half starts at N/2), K <= 131071 (exact int32), M < 2^31, E <= kGmsqMaxExperts.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ort_ops::gmsq_cuda {
+
+constexpr int kGmsqMaxExperts = 1024;
+
+// Bits of the device error word (workspace): the kernel never reads or writes out of bounds;
+// it clamps, finishes and reports, and the caller turns a non-zero word into an error.
+constexpr int kErrGroupList = 1;  // group_list decreasing, negative or ending past M
+constexpr int kErrNonFinite = 2;  // a dequantized C or S was NaN or Inf (no INT8 code)
+
+// Tile configurations (rows per tile BM / warps); the launcher picks one from M / E unless
+// `config` >= 0 forces it (benchmarks and tests).
+enum GmsqConfig : int { kGmsqAuto = -1, kGmsqBm16 = 0, kGmsqBm64 = 1, kGmsqBm128 = 2, kGmsqNumConfigs = 3 };
+
+struct GmsqParams {
+  const int8_t* x;
+  const int8_t* weight;
+  const float* w_scale;
+  const float* x_scale;
+  const int64_t* group_list;
+  int8_t* y;
+  float* y_scale;
+  float* y_offset;
+  void* workspace;  // gmsq_workspace_bytes(m, e) bytes of device memory, any content
+  int64_t m, k, n, e;
+  int group_list_type;
+  int config;  // GmsqConfig
+};
+
+// Device scratch the launcher needs: the error word, the row amax and the per-tile counters.
+size_t gmsq_workspace_bytes(int64_t m, int64_t e);
+
+// Enqueues the whole op on `stream` (one memset, one cooperative kernel). Returns the launch
+// status; the device error word is at gmsq_error_word(workspace) once the stream reaches it.
+cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
+inline int* gmsq_error_word(void* workspace) { return static_cast<int*>(workspace); }
+
+}  // namespace ort_ops::gmsq_cuda
+
+// Plain C entry for tests and benchmarks (ctypes, torch tensors): the arguments of GmsqParams in
+// order, then the stream. Returns a cudaError_t value.
+extern "C" int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
+                                 const float* x_scale, const int64_t* group_list, int8_t* y,
+                                 float* y_scale, float* y_offset, void* workspace, int64_t m,
+                                 int64_t k, int64_t n, int64_t e, int group_list_type, int config,
+                                 void* stream);
+extern "C" size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e);
