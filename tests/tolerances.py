@@ -5,3 +5,37 @@
 # the same float32 operations in the same order as the numpy reference (no FMA contraction,
 # round half to even), so there is nothing to tolerate.
 INT8_EXACT_ATOL = 0
+
+# MoE float outputs (GroupedMatmulDequant, MoeFinalizeRouting, the whole INT8 chain) against
+# their references: exact. The kernels follow the references' float32 recipe operation by
+# operation (ort_ops/ops/_moe.py; no FMA), so no rounding difference exists to tolerate.
+MOE_FLOAT_EXACT_ATOL = 0.0
+
+# The INT8 MoE chain against the float64 MoE layer on Gaussian data (tests/ops/test_moe_chain.py,
+# hidden 512, intermediate 384): relative L2 of the layer output. Measured 2.3-2.6 % over seeds:
+# three INT8 roundings (x per token, the SwiGLU output per row, weights per output channel),
+# each ~1 % relative, add in quadrature. 3.5 % flags a real regression (a lost scale, a wrong
+# row) without failing on seed-to-seed spread.
+MOE_CHAIN_VS_FLOAT_REL_L2 = 0.035
+
+# PagedAttentionInt8 float outputs against ort_ops.reference.paged_attention_int8 (same
+# quantization, different float path): the kernels normalize per partition / online instead of
+# over all keys at once, use their own exp (polynomial, ~1 ulp) and sum in another order. Each
+# output is a convex combination of dequantized V, so the rounding is relative to the largest
+# |V| in the context: measured <= 5e-7 of it; 1e-5 leaves room for 16k-key sums.
+ATTN_FLOAT_ATOL_REL_VMAX = 1e-5
+# A W code sitting at a rounding tie (rint(W * L / max W) near n + 0.5) can land on either side
+# when W carries a few ulp of difference; one such move shifts a row's output by at most its
+# largest W quantum (reference(..., return_code_step=True)) times |Vq| <= 128. Measured: at most
+# 1 move per row in short contexts, rarely 2 at 16k keys; 4 bounds it without hiding a wrong
+# scale group (which moves whole groups of codes).
+ATTN_CODE_MOVES_PER_ROW = 4
+# float16 queries give float16 outputs: the two float32 results may round to neighbouring
+# float16 values, one float16 ulp apart.
+ATTN_FP16_ULPS = 1
+
+# Error budgets against fp64 attention on unquantized K/V (N(0,1), head_dim 128, 4k-16k keys):
+# the RMS error of INT8 P.V may exceed that of its pv_quant=none twin (K/V quantization alone)
+# by these factors (issue 3; a numpy prototype of the contract gave 1.28x / 1.09x).
+ATTN_RMS_RATIO_S8_VS_NONE = 1.4
+ATTN_RMS_RATIO_U8_VS_NONE = 1.15

@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: MIT
+"""The whole INT8 MoE chain as one ONNX model on the CPU EP (ort_ops.ops.moe_layer):
+bit-exact against the chain of numpy references, and within MOE_CHAIN_VS_FLOAT_REL_L2 of the
+float64 MoE layer. Also the router-in-graph form (Softmax/TopK like com.microsoft.MoE)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from ort_ops._lib import session_options
+from ort_ops.ops import moe_layer as ml
+from tests.tolerances import MOE_CHAIN_VS_FLOAT_REL_L2
+
+# hidden, intermediate, experts, top-k, tokens, shared-expert intermediate
+CONFIGS = [(512, 384, 8, 2, 64, 0), (512, 384, 8, 2, 33, 256), (256, 192, 16, 4, 17, 0), (128, 96, 4, 1, 1, 64)]
+
+
+def _session(model):
+    so = session_options()
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{}-I{}-E{}-k{}-T{}-shared{}".format(*c))
+def test_chain_matches_references_and_float_layer(rng, cpu_isa, cfg):
+    h, i, e, k, t, shared = cfg
+    w = ml.random_moe_weights(rng, h, i, e, shared)
+    q = ml.quantize_moe_weights(w)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    ids, wts = ml.route(x, w.router, k)
+    out = _session(ml.build_moe_int8_model(q, k, router_in_graph=False)).run(
+        None, {"x": x, "topk_ids": ids, "topk_weights": wts})[0]
+    np.testing.assert_array_equal(out, ml.moe_layer_int8_reference(x, q, ids, wts))
+    err = ml.relative_l2(out, ml.moe_layer_float(x, w, k, routing=(ids, wts)))
+    print(f"{cpu_isa} {cfg}: INT8 chain vs float layer relative L2 {err:.4f}")
+    assert err <= MOE_CHAIN_VS_FLOAT_REL_L2
+
+
+def test_router_in_graph(rng):
+    """Softmax + TopK + renormalization in ONNX, then the chain: same as the numpy router
+    (up to float rounding of the softmax in the weights)."""
+    h, i, e, k, t = 256, 128, 8, 2, 40
+    w = ml.random_moe_weights(rng, h, i, e, 64)
+    q = ml.quantize_moe_weights(w)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    logits = (x @ w.router).astype(np.float32)
+    out = _session(ml.build_moe_int8_model(q, k)).run(None, {"x": x, "router_logits": logits})[0]
+    ids, wts = ml.route(x, w.router, k)
+    ref = ml.moe_layer_int8_reference(x, q, ids, wts)
+    assert ml.relative_l2(out, ref) < 1e-5  # only the router's float rounding differs
+    assert ml.relative_l2(out, ml.moe_layer_float(x, w, k)) <= MOE_CHAIN_VS_FLOAT_REL_L2
