@@ -42,6 +42,9 @@ class FusionResult:
 
 # (kind, option flag on RewriteOptions, import path "module:function"), in the order they run.
 FUSIONS: list[tuple[str, str, str]] = [
+    # MoE first: it proves each block by running the model as exported (plain inputs), before
+    # other fusions change the model's inputs.
+    ("moe", "moe", "ort_ops.rewrite.moe:fuse_moe"),
 ]
 
 

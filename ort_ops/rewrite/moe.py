@@ -1,0 +1,897 @@
+# SPDX-License-Identifier: MIT
+"""MoE fusion: mixture-of-experts blocks of exported models become the INT8 chain of DESIGN.md.
+
+    x_TH, topk_ids_TK, topk_w_TK  (the graph's own router, kept as it is)
+      -> Cast(ids, int32) -> MoeInitRouting -> DynamicQuant -> GroupedMatmulSwigluQuant
+      -> GroupedMatmulDequant -> MoeFinalizeRouting -> out_TH   (Reshape back to [B, S, H] if the
+         block's output had that shape)
+
+Alphabet: T tokens, H hidden size, I intermediate size per expert, E experts, K top-k,
+B batch, S sequence.
+
+Expert weights come from constant initializers and are quantized offline per output channel
+(``ort_ops.ops.moe_layer.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
+the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, H] with scales
+[E, H]. The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
+with the graph's own routing.
+
+Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py``): torch.onnx dynamo
+and legacy with transformers' ``batched_mm`` experts (GatherND of stacked weights, batched MatMul),
+transformers 5.x's exporter (sort by expert, per-expert unrolled Range/Gather/MatMul/Concat),
+optimum's unrolled per-expert loop (NonZero/Gather/three MatMuls/ScatterElements), and the
+``com.microsoft`` ``MoE`` node.
+
+Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ
+in dozens of index-plumbing nodes (OneHot/Tile, ScatterElements/CumSum, NonZero, GatherND) and
+the unrolled ones repeat a subgraph E times, which a fixed pattern cannot express. So the pass
+anchors on what every form shares and proves the rest:
+
+1. the router: a ``TopK`` over ``Softmax(Gemm|MatMul(x, W_router))`` (or the TopK of the logits
+   followed by a Softmax of the K values) with a constant router weight; the top-k weights are
+   followed through the [T, K] chain that renormalizes / rescales them, and used as the graph
+   computes them;
+2. the block output: a post-dominator of the TopK (every path from the router to the model's
+   outputs passes through it); the block is everything between the hidden state and it;
+3. structure inside the block: every expert activation is ``x * Sigmoid(x) * up`` (SiLU-gated;
+   any other activation op declines), one gated product for stacked weights or exactly E of them
+   for unrolled experts (fewer: a trace specialized to the experts its example input hit, which
+   is wrong for other inputs: declined), no non-constant float tensor read besides the hidden
+   state (weights must be initializers);
+4. the weights' roles (gate / up / down, orientation, expert order) are read from the constants
+   and confirmed by running the original model on probe inputs (a long prompt hitting every
+   expert, and a single token): the block output must equal the float MoE of the extracted
+   weights and the graph's routing to float32 rounding (``PROBE_RTOL``), or the block declines.
+
+A candidate that fails any step stays unfused and correct, with the reason in the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from ort_ops._domain import DOMAIN, OPSET_VERSION
+from ort_ops.rewrite.pipeline import Decline, FusionResult
+
+# Activations that are not the SiLU-gated product the chain computes; their presence in a block
+# declines it.
+OTHER_ACTIVATIONS = frozenset({
+    "Gelu", "Erf", "Tanh", "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish",
+    "Mish", "Softplus", "Softsign", "PRelu", "ThresholdedRelu", "FastGelu", "BiasGelu", "QuickGelu",
+    "Swish", "BiasSplitGelu", "GatedGelu",
+})
+# Ops that only move or reshape data: skipped when tracing a MatMul operand to its weight.
+_PASS_THROUGH = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten", "Cast"})
+# The probe compares the block's output with the float MoE of the extracted weights: both are
+# float32 computations of the same sums in different orders, so they agree to ~1e-6 relative; a
+# wrong interpretation (gate/up swapped, a wrong expert order, a transposed weight) is off by
+# O(1). 1e-3 of the output's magnitude separates the two with a wide margin either way.
+PROBE_RTOL = 1e-3
+PROBE_TOKENS = (48, 1, 192)  # a prompt, a single decode token, a longer prompt if experts were missed
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """One router TopK and what the structural steps found around it."""
+
+    topk: ir.Node
+    x: ir.Value                # [T, H] router input (the tokens the experts see)
+    hidden: ir.Value           # x itself, or the [B, S, H] tensor x is a reshape of
+    num_experts: int
+    k: int
+    ids: ir.Value              # TopK indices [T, K]
+    weights: ir.Value          # routing weights [T, K] as the graph computes them
+    routing: str
+    outs: list[ir.Value]       # post-dominator values, in order: the block output is one of them
+    bytes_before: int = 0
+
+
+@dataclasses.dataclass
+class _Block:
+    cand: _Candidate
+    out: ir.Value
+    w_gate: np.ndarray         # [E, H, I]  (x @ W orientation)
+    w_up: np.ndarray           # [E, H, I]
+    w_down: np.ndarray         # [E, I, H]
+    form: str
+    reshape_to_hidden: bool
+
+
+class _Declined(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# small graph helpers
+
+
+def _const(v: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents (initializer that is not also an input, or Constant node)."""
+    if v is None or v.is_graph_input():
+        return None
+    t = ir.convenience.get_const_tensor(v)
+    return None if t is None else t.numpy()
+
+
+def _fold(v: ir.Value | None, depth: int = 0) -> np.ndarray | None:
+    """Evaluates ``v`` when it is a constant or a chain of layout ops over constants (the per-expert
+    slices exporters take of stacked weights): Transpose, Reshape, Squeeze, Unsqueeze, Gather,
+    Split, Slice, Identity, Cast to float."""
+    c = _const(v)
+    if c is not None or v is None or depth > 8:
+        return c
+    n = v.producer()
+    if n is None or n.domain not in ("", "ai.onnx"):
+        return None
+    ins = [_fold(i, depth + 1) if i is not None else None for i in n.inputs]
+    if any(i is None for i, orig in zip(ins, n.inputs) if orig is not None):
+        return None
+    a = n.attributes
+    op = n.op_type
+    try:
+        if op == "Identity":
+            return ins[0]
+        if op == "Transpose":
+            perm = a["perm"].as_ints() if "perm" in a else None
+            return np.transpose(ins[0], perm)
+        if op == "Reshape":
+            shape = [d if d != 0 else ins[0].shape[i] for i, d in enumerate(ins[1].tolist())]
+            return ins[0].reshape(shape)
+        if op == "Squeeze":
+            axes = tuple(int(x) for x in ins[1]) if len(ins) > 1 and ins[1] is not None else None
+            return np.squeeze(ins[0], axis=axes)
+        if op == "Unsqueeze":
+            out = ins[0]
+            for ax in sorted(int(x) % (out.ndim + len(ins[1])) for x in ins[1]):
+                out = np.expand_dims(out, ax)
+            return out
+        if op == "Gather":
+            return np.take(ins[0], ins[1], axis=a["axis"].as_int() if "axis" in a else 0)
+        if op == "Split":
+            axis = a["axis"].as_int() if "axis" in a else 0
+            idx = list(n.outputs).index(v)
+            if len(ins) > 1 and ins[1] is not None:
+                bounds = np.cumsum(ins[1])[:-1]
+            else:
+                bounds = len(n.outputs)
+            return np.split(ins[0], bounds, axis=axis)[idx]
+        if op == "Slice":
+            data, starts, ends = ins[0], ins[1], ins[2]
+            axes = ins[3] if len(ins) > 3 and ins[3] is not None else np.arange(len(starts))
+            steps = ins[4] if len(ins) > 4 and ins[4] is not None else np.ones(len(starts), np.int64)
+            sl = [slice(None)] * data.ndim
+            for s, e, ax, st in zip(starts, ends, axes, steps):
+                sl[int(ax)] = slice(int(s), int(e), int(st))
+            return data[tuple(sl)]
+        if op == "Cast" and a["to"].as_int() == ir.DataType.FLOAT:
+            return ins[0].astype(np.float32)
+    except (KeyError, ValueError, IndexError, TypeError):
+        return None
+    return None
+
+
+def _consumers(v: ir.Value) -> list[ir.Node]:
+    return [u.node for u in v.uses()]
+
+
+def _descendant_nodes(values: Iterable[ir.Value]) -> set[ir.Node]:
+    seen: set[ir.Node] = set()
+    stack = [n for v in values for n in _consumers(v)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(c for o in n.outputs for c in _consumers(o))
+    return seen
+
+
+def _region(out: ir.Value, within: set[ir.Node]) -> set[ir.Node]:
+    """Ancestors of ``out`` (inclusive) that lie in ``within``."""
+    seen: set[ir.Node] = set()
+    stack = [out.producer()]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen or n not in within:
+            continue
+        seen.add(n)
+        stack.extend(i.producer() for i in n.inputs if i is not None)
+    return seen
+
+
+def _post_dominators(graph: ir.Graph, node: ir.Node, limit: int = 12) -> list[ir.Node]:
+    """Nodes every path from ``node`` to the graph's outputs passes through, in graph order.
+
+    Walks the (topologically sorted) graph once, keeping the edges from already-visited
+    descendants that are still open: a descendant is a post-dominator when all open edges
+    lead into it.
+    """
+    desc = _descendant_nodes(node.outputs)
+    graph_out = object()
+    open_edges: dict[ir.Value, set] = {}
+
+    def open_outputs(n: ir.Node):
+        for o in n.outputs:
+            cons = set(_consumers(o))
+            if o.is_graph_output():
+                cons.add(graph_out)
+            if cons:
+                open_edges[o] = cons
+
+    open_outputs(node)
+    found: list[ir.Node] = []
+    started = False
+    for n in graph:
+        if n is node:
+            started = True
+            continue
+        if not started or n not in desc:
+            continue
+        if open_edges and all(c == {n} for c in open_edges.values()):
+            found.append(n)
+            if len(found) >= limit:
+                break
+        for i in n.inputs:
+            if i in open_edges:
+                open_edges[i].discard(n)
+                if not open_edges[i]:
+                    del open_edges[i]
+        open_outputs(n)
+    return found
+
+
+def _attr_int(n: ir.Node, name: str, default: int) -> int:
+    return n.attributes[name].as_int() if name in n.attributes else default
+
+
+def _is_last_axis(n: ir.Node, rank_hint: int = 2) -> bool:
+    axis = _attr_int(n, "axis", -1)
+    return axis in (-1, rank_hint - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# step 1: router
+
+
+def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
+    """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined."""
+    src = topk.inputs[0].producer()
+    softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
+    if softmax_first:
+        if not _is_last_axis(src):
+            raise _Declined("the router Softmax is not over the expert axis")
+        src = src.inputs[0].producer()
+    while src is not None and src.op_type == "Cast":
+        src = src.inputs[0].producer()
+    if src is None:
+        raise _Declined("the TopK's scores do not come from a router projection")
+    bias = None
+    if src.op_type == "Add":  # MatMul + bias
+        b0, b1 = (_const(i) for i in src.inputs)
+        mm_in = src.inputs[0] if b1 is not None else src.inputs[1]
+        bias = b1 if b1 is not None else b0
+        src = mm_in.producer()
+        if src is None:
+            raise _Declined("the router is not a linear projection")
+    if src.op_type == "Gemm":
+        if _attr_int(src, "transA", 0):
+            raise _Declined("router Gemm with transA is not expressible")
+        w = _const(src.inputs[1])
+        if w is None:
+            raise _Declined(f"router weight '{src.inputs[1].name}' is not a constant initializer")
+        if _attr_int(src, "transB", 0):
+            w = w.T
+        x = src.inputs[0]
+    elif src.op_type == "MatMul":
+        w = _const(src.inputs[1])
+        if w is None:
+            raise _Declined(f"router weight '{src.inputs[1].name}' is not a constant initializer")
+        x = src.inputs[0]
+    else:
+        raise _Declined(f"the TopK's scores come from {src.op_type}, not a router Gemm/MatMul")
+    if w.ndim != 2:
+        raise _Declined(f"router weight has rank {w.ndim}, expected 2")
+    del bias  # a router bias changes only the scores, which the graph keeps computing itself
+    return x, w, "softmax -> topk" if softmax_first else "topk"
+
+
+def _follow_weights(values: ir.Value, softmax_first: bool) -> tuple[ir.Value, str]:
+    """Follows the top-k values through the [T, K] chain exporters write after the TopK:
+    renormalization (Div by ReduceSum), Softmax over the K values, Cast, scaling by a constant.
+    Returns the last tensor of the chain (the routing weights the experts are scaled by)."""
+    v, steps = values, []
+    for _ in range(8):
+        nxt = None
+        for n in _consumers(v):
+            if n.op_type == "ReduceSum" and n.inputs[0] is v and _attr_int(n, "keepdims", 1):
+                for d in _consumers(n.outputs[0]):
+                    if d.op_type == "Div" and d.inputs[0] is v and d.inputs[1] is n.outputs[0]:
+                        nxt, step = d.outputs[0], "renormalize"
+            elif n.op_type == "Softmax" and _is_last_axis(n):
+                nxt, step = n.outputs[0], "softmax over the k"
+            elif n.op_type == "Cast" and _attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+                nxt, step = n.outputs[0], None
+            elif n.op_type in ("Mul", "Div") and n.inputs[0] is v:
+                c = _const(n.inputs[1])
+                if c is not None and c.size == 1:
+                    nxt, step = n.outputs[0], f"{'x' if n.op_type == 'Mul' else '/'} {float(c.reshape(-1)[0]):g}"
+            if nxt is not None:
+                break
+        if nxt is None:
+            break
+        v = nxt
+        if step:
+            steps.append(step)
+    desc = ("softmax -> topk" if softmax_first else "topk") + "".join(f" -> {s}" for s in steps)
+    return v, desc
+
+
+# ---------------------------------------------------------------------------------------------
+# step 3: structure inside the block
+
+
+def _gated_products(region: set[ir.Node]) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
+    """(gate pre-activation, up, product) of every ``a * Sigmoid(a) * b`` in the region."""
+    out = []
+    for s in region:
+        if s.op_type != "Sigmoid":
+            continue
+        a = s.inputs[0]
+        silu = next((m for m in _consumers(s.outputs[0]) if m.op_type == "Mul"
+                     and set(m.inputs) == {a, s.outputs[0]}), None)
+        if silu is None:
+            raise _Declined("a Sigmoid in the experts is not part of x * Sigmoid(x) (not SiLU)")
+        prods = [m for m in _consumers(silu.outputs[0]) if m.op_type == "Mul"]
+        if len(prods) != 1:
+            raise _Declined("the experts' SiLU is not multiplied by an up projection (not SiLU-gated)")
+        p = prods[0]
+        b = p.inputs[1] if p.inputs[0] is silu.outputs[0] else p.inputs[0]
+        out.append((a, b, p.outputs[0]))
+    return out
+
+
+def _check_region(region: set[ir.Node], allowed_inputs: set[ir.Value]) -> None:
+    for n in region:
+        if n.op_type in OTHER_ACTIVATIONS:
+            raise _Declined(f"expert activation {n.op_type} ('{n.name}') is not SiLU-gated")
+        if n.domain not in ("", "ai.onnx"):
+            raise _Declined(f"the block holds {n.domain}::{n.op_type} ('{n.name}'), which it cannot prove")
+        for i in n.inputs:
+            if i is None or i in allowed_inputs or (i.producer() in region):
+                continue
+            if _fold(i) is not None:
+                continue
+            dt = i.dtype
+            if dt is not None and dt.is_floating_point():
+                raise _Declined(f"the block reads '{i.name}', which is not a constant initializer "
+                                "(expert weights must be constants)")
+
+
+def _weight_constants(region: set[ir.Node], h: int) -> list[np.ndarray]:
+    """The constants (initializers / Constant nodes) the region reads, directly or through
+    constant-only layout ops (per-expert slices of a stacked weight), of rank >= 2."""
+    seen, found = set(), []
+    stack = [i for n in region for i in n.inputs if i is not None and i.producer() not in region]
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        c = _const(v)
+        if c is not None:
+            if c.ndim >= 2 and c.size >= h:
+                found.append(c)
+            continue
+        p = v.producer()
+        if p is not None and p not in region and _fold(v) is not None:
+            stack.extend(i for i in p.inputs if i is not None)
+    return found
+
+
+def _trace_weight(v: ir.Value, want_input_dim: int) -> tuple[np.ndarray, int | None, int] | None:
+    """Follows an expert activation back to the MatMul/Gemm that produced it.
+
+    Returns (W [in, out] in x @ W orientation, split index or None, number of split parts), or
+    None when the producer is not a projection by a constant weight.
+    """
+    split_idx, parts = None, 1
+    n = v.producer()
+    for _ in range(6):
+        if n is None:
+            return None
+        if n.op_type in _PASS_THROUGH:
+            n = n.inputs[0].producer()
+            continue
+        if n.op_type == "Split" and split_idx is None:
+            split_idx, parts = list(n.outputs).index(v), len(n.outputs)
+            if _attr_int(n, "axis", 0) not in (-1, 1):
+                return None
+            v = n.inputs[0]
+            n = v.producer()
+            continue
+        break
+    if n.op_type == "MatMul":
+        w = _fold(n.inputs[1])
+        if w is None:
+            return None
+        w = w.reshape(w.shape[-2:]) if w.ndim == 3 and w.shape[0] == 1 else w
+    elif n.op_type == "Gemm" and not _attr_int(n, "transA", 0):
+        w = _fold(n.inputs[1])
+        if w is None or len(n.inputs) > 2 and n.inputs[2] is not None:
+            return None
+        w = w.T if _attr_int(n, "transB", 0) else w
+    else:
+        return None
+    if w.ndim != 2 or w.shape[0] != want_input_dim:
+        return None
+    return w.astype(np.float32), split_idx, parts
+
+
+def _down_of(p: ir.Value, inter: int) -> np.ndarray | None:
+    """The down projection [I, H] applied to the gated product ``p``."""
+    frontier = [p]
+    for _ in range(5):
+        nxt = []
+        for v in frontier:
+            for n in _consumers(v):
+                if n.op_type in ("MatMul", "Gemm") and n.inputs[0] is v:
+                    got = _trace_weight(n.outputs[0], inter)
+                    if got is not None and got[1] is None:
+                        return got[0]
+                if n.op_type in _PASS_THROUGH or n.op_type in ("Gather", "GatherND"):
+                    nxt.append(n.outputs[0])
+        frontier = nxt
+    return None
+
+
+def _unrolled_weights(products, hidden: int):
+    """Per-expert (gate [H, I], up [H, I], down [I, H]) from E gated products, in graph order."""
+    experts = []
+    for a, b, p in products:
+        ga, gb = _trace_weight(a, hidden), _trace_weight(b, hidden)
+        if ga is None or gb is None:
+            raise _Declined("an unrolled expert's gate/up is not a projection by a constant weight")
+        wg, wu = ga[0], gb[0]
+        if ga[1] is not None:  # one fused gate_up MatMul, split into halves
+            if ga[2] != 2 or gb[1] is None or {ga[1], gb[1]} != {0, 1}:
+                raise _Declined("an unrolled expert's gate/up split is not into two halves")
+            half = wg.shape[1] // 2
+            wg, wu = wg[:, ga[1] * half:(ga[1] + 1) * half], wu[:, gb[1] * half:(gb[1] + 1) * half]
+        wd = _down_of(p, wg.shape[1])
+        if wd is None or wd.shape != (wg.shape[1], hidden):
+            raise _Declined("an unrolled expert's down projection is not a constant weight")
+        experts.append((wg, wu, wd))
+    return (np.stack([e[0] for e in experts]), np.stack([e[1] for e in experts]),
+            np.stack([e[2] for e in experts]))
+
+
+def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
+    """Every reading of the block's rank-3 [E, ., .] constants as (gate, up, down, description)."""
+    stacks = [c for c in consts if c.ndim == 3 and c.shape[0] == e and h in c.shape[1:]]
+
+    def as_in_out(c, in_dim):  # candidate [E, in, out] views of c whose input dim is in_dim
+        views = []
+        if c.shape[1] == in_dim:
+            views.append((c, "x@W"))
+        if c.shape[2] == in_dim:
+            views.append((c.transpose(0, 2, 1), "linear"))
+        return views
+
+    for g, d in itertools.permutations(range(len(stacks)), 2):  # fused gate_up + down
+        for gu, gdesc in as_in_out(stacks[g], h):
+            if gu.shape[2] % 2:
+                continue
+            i = gu.shape[2] // 2
+            for dn, ddesc in as_in_out(stacks[d], i):
+                if dn.shape[2] != h:
+                    continue
+                yield gu[..., :i], gu[..., i:], dn, f"stacked gate_up ({gdesc}, gate first)"
+                yield gu[..., i:], gu[..., :i], dn, f"stacked gate_up ({gdesc}, up first)"
+    for gi, ui, di in itertools.permutations(range(len(stacks)), 3):  # separate gate, up, down
+        for gg, _ in as_in_out(stacks[gi], h):
+            for uu, _ in as_in_out(stacks[ui], h):
+                if uu.shape != gg.shape:
+                    continue
+                for dn, _ in as_in_out(stacks[di], gg.shape[2]):
+                    if dn.shape[2] == h:
+                        yield gg, uu, dn, "stacked gate, up, down"
+
+
+# ---------------------------------------------------------------------------------------------
+# step 4: probe
+
+
+def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w_gate: np.ndarray,
+              w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math)."""
+    x64 = np.asarray(x, np.float64)
+    out = np.zeros_like(x64)
+    for e in range(w_gate.shape[0]):
+        t, j = np.nonzero(ids == e)
+        if t.size:
+            g = x64[t] @ w_gate[e].astype(np.float64)
+            u = x64[t] @ w_up[e].astype(np.float64)
+            y = (g / (1 + np.exp(-g)) * u) @ w_down[e].astype(np.float64)
+            np.add.at(out, t, np.asarray(wts, np.float64)[t, j, None] * y)
+    return out
+
+
+def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feeds = {}
+    for v in graph.inputs:
+        if v.is_initializer():
+            continue
+        shape = []
+        for i, d in enumerate(v.shape.dims if v.shape is not None else ()):
+            shape.append(d if isinstance(d, int) else (1 if i == 0 and len(v.shape) > 1 else tokens))
+        dt = v.dtype.numpy()
+        name = (v.name or "").lower()
+        if np.issubdtype(dt, np.integer):
+            if "mask" in name:
+                feeds[v.name] = np.ones(shape, dt)
+            elif "position" in name:
+                feeds[v.name] = np.broadcast_to(np.arange(shape[-1], dtype=dt), shape).copy()
+            else:
+                vocab = 2
+                for n in _consumers(v):
+                    if n.op_type == "Gather" and _const(n.inputs[0]) is not None:
+                        vocab = n.inputs[0].shape[0]
+                feeds[v.name] = rng.integers(0, vocab, shape).astype(dt)
+        elif dt == np.bool_:
+            feeds[v.name] = np.ones(shape, dt)
+        else:
+            feeds[v.name] = rng.standard_normal(shape).astype(dt)
+    return feeds
+
+
+def _run_probe(model: ir.Model, wanted: list[ir.Value], tokens: int) -> dict[str, np.ndarray]:
+    """Runs the (unmodified) model on synthetic inputs of ``tokens`` positions and returns the
+    wanted intermediate values by name."""
+    import onnx
+    import onnxruntime as ort
+
+    proto = ir.serde.serialize_model(model)
+    have = {o.name for o in proto.graph.output}
+    for v in wanted:
+        if v.name not in have:
+            proto.graph.output.append(onnx.ValueInfoProto(name=v.name))
+            have.add(v.name)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    if any(op.domain == DOMAIN for op in proto.graph.node):
+        from ort_ops._lib import session_options
+
+        so = session_options()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [v.name for v in wanted]
+    feeds = _probe_inputs(model.graph, tokens, np.random.default_rng(tokens))
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def _matches(got: np.ndarray, want: np.ndarray) -> bool:
+    if got.size != want.size or not np.all(np.isfinite(got)):
+        return False
+    got = got.reshape(want.shape)
+    return float(np.max(np.abs(got - want), initial=0)) <= PROBE_RTOL * max(float(np.max(np.abs(want), initial=0)), 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# candidates
+
+
+def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
+    cands, declined = [], []
+    for n in graph:
+        if n.op_type != "TopK" or n.domain not in ("", "ai.onnx") or (n.name or "").startswith("moe_int8/"):
+            continue  # (our own router of a rewritten com.microsoft MoE is not a candidate)
+        if n.inputs[0].dtype is not None and not n.inputs[0].dtype.is_floating_point():
+            continue  # an argsort of expert ids (transformers' grouped form), not a router
+        try:
+            x, w_router, how = _find_router(n)
+        except _Declined as e:
+            # A TopK over something else (e.g. a sort inside the block) is not a router: only
+            # report it when it looks like one (float scores from a projection).
+            declined.append(Decline(n.name or "TopK", str(e)))
+            continue
+        k = _const(n.inputs[1])
+        if k is None or k.size != 1:
+            declined.append(Decline(n.name, "top-k count is not a constant"))
+            continue
+        if _attr_int(n, "largest", 1) != 1 or not _is_last_axis(n):
+            declined.append(Decline(n.name, "TopK is not the k largest over the expert axis"))
+            continue
+        softmax_first = how.startswith("softmax")
+        weights, routing = _follow_weights(n.outputs[0], softmax_first)
+        if not softmax_first and "softmax" not in routing:
+            declined.append(Decline(n.name, "routing weights are raw top-k logits (no Softmax): not a softmax router"))
+            continue
+        hidden = x
+        p = x.producer()
+        if p is not None and p.op_type in ("Reshape", "Flatten"):
+            hidden = p.inputs[0]
+        outs = [pd.outputs[0] for pd in _post_dominators(graph, n) if len(pd.outputs) == 1]
+        cands.append(_Candidate(n, x, hidden, w_router.shape[1], int(k.reshape(-1)[0]),
+                                n.outputs[1], weights, routing, outs))
+    return cands, declined
+
+
+def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
+    e = cand.num_experts
+    x0 = probes[0][cand.x.name]
+    if x0.dtype != np.float32 or x0.ndim != 2:
+        raise _Declined(f"router input is {x0.dtype} of rank {x0.ndim}; only float32 [T, H] blocks are fused")
+    h = x0.shape[1]
+    within = _descendant_nodes([cand.hidden])
+    last_error = "no post-dominator of the router has the block output's shape"
+    for out in cand.outs:
+        region = _region(out, within)
+        if cand.topk not in region:
+            continue
+        try:
+            _check_region(region, {cand.hidden, cand.x})
+            products = _gated_products(region)
+            if not products:
+                raise _Declined("no SiLU-gated expert MLP (x * Sigmoid(x) * up) between router and output")
+            consts = _weight_constants(region, h)
+            if len(products) == 1:
+                interps = list(_stacked_interpretations(consts, e, h))
+                form = "stacked"
+                if not interps:
+                    raise _Declined(f"no constant [E={e}, ., .] expert weights hold the H={h} dim")
+            elif len(products) == e:
+                interps = [(*_unrolled_weights(products, h), "per-expert (unrolled)")]
+                form = "unrolled"
+            else:
+                raise _Declined(f"the graph computes {len(products)} of {e} experts: a trace specialized to "
+                                "its example input (the experts it hit), wrong for other inputs")
+        except _Declined as err:
+            last_error = str(err)
+            continue
+        # Step 4: the probe decides which reading (if any) the graph computes.
+        shape_ok = False
+        for wg, wu, wd, desc in interps:
+            ok = True
+            for pr in probes:
+                got = pr.get(out.name)
+                x, ids, wts = pr[cand.x.name], pr[cand.ids.name], pr[cand.weights.name]
+                if got is None:
+                    ok = False
+                    break
+                if got.size != x.size:
+                    ok = False
+                    break
+                shape_ok = True
+                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd)):
+                    ok = False
+                    break
+            if ok:
+                reshape = pr[out.name].ndim != 2
+                if reshape and tuple(pr[out.name].shape) != tuple(pr[cand.hidden.name].shape):
+                    raise _Declined("the block output's shape is neither [T, H] nor the hidden state's")
+                return _Block(cand, out, wg, wu, wd, f"{form}: {desc}", reshape)
+        if shape_ok:
+            last_error = ("the block output does not equal a SiLU-gated MoE of its constant weights "
+                          "under the graph's routing on probe inputs")
+    raise _Declined(last_error)
+
+
+# ---------------------------------------------------------------------------------------------
+# emission
+
+
+def _initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
+    base, i = name, 0
+    while name in graph.initializers:
+        i += 1
+        name = f"{base}_{i}"
+    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+    v.shape = ir.Shape(arr.shape)
+    v.type = ir.TensorType(ir.DataType.from_numpy(arr.dtype))
+    graph.register_initializer(v)
+    return v
+
+
+def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
+                    w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> tuple[list[ir.Node], ir.Value, int]:
+    """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
+    gate/up [E, H, I], down [E, I, H]. Returns (nodes, out [T, H] float32, bytes of the INT8
+    weights and scales). Nodes are not yet inserted."""
+    from ort_ops.ops.moe_layer import quantize_expert_weights
+
+    e = w_gate.shape[0]
+    gu_q, gu_s = quantize_expert_weights(np.concatenate([w_gate, w_up], axis=2))
+    dn_q, dn_s = quantize_expert_weights(w_down)
+    inits = [_initializer(graph, f"{prefix}/gate_up_int8", gu_q),
+             _initializer(graph, f"{prefix}/gate_up_scale", gu_s),
+             _initializer(graph, f"{prefix}/down_int8", dn_q),
+             _initializer(graph, f"{prefix}/down_scale", dn_s)]
+    nodes = []
+
+    def add(op, inputs, num_outputs=1, domain=DOMAIN, **attrs):
+        n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs,
+                    name=f"{prefix}/{op}")
+        for j, o in enumerate(n.outputs):
+            o.name = f"{prefix}/{op}_{j}"
+        nodes.append(n)
+        return n.outputs
+
+    ids32 = add("Cast", [ids], domain="", to=int(ir.DataType.INT32))[0]
+    if weights.dtype not in (None, ir.DataType.FLOAT):
+        weights = add("Cast", [weights], domain="", to=int(ir.DataType.FLOAT))[0]
+    sorted_x, s2f, groups = add("MoeInitRouting", [x, ids32], 3, num_experts=e)
+    xq, xs = add("DynamicQuant", [sorted_x], 2)
+    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3)
+    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups])[0]
+    out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
+    nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
+    return nodes, out, nbytes
+
+
+def _insert(graph: ir.Graph, after: ir.Node, nodes: list[ir.Node]) -> None:
+    graph.insert_after(after, nodes)
+
+
+def _replace_block(model: ir.Model, block: _Block) -> int:
+    graph = model.graph
+    cand = block.cand
+    prefix = f"moe_int8/{cand.topk.name or 'block'}"
+    nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights,
+                                         block.w_gate, block.w_up, block.w_down)
+    if block.reshape_to_hidden:
+        shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
+        rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
+        shp.outputs[0].name, rs.outputs[0].name = f"{prefix}/Shape_0", f"{prefix}/Reshape_0"
+        nodes += [shp, rs]
+        out = rs.outputs[0]
+    _insert(graph, block.out.producer(), nodes)
+    ir.convenience.replace_all_uses_with(block.out, out, replace_graph_outputs=True)
+    return nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# com.microsoft MoE
+
+
+def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
+    """Replaces one com.microsoft MoE node (float weights [E, out, in], ORT >= 1.22 layout)."""
+    a = node.attributes
+    where = node.name or node.op_type
+    if node.op_type == "QMoE":
+        raise _Declined("QMoE (pre-quantized packed weights) is not rewritten yet: dequantize-requantize "
+                        "of its packed 4/8-bit layout is unverified here")
+    act = a["activation_type"].as_string() if "activation_type" in a else "relu"
+    if _attr_int(node, "use_sparse_mixer", 0):
+        raise _Declined("use_sparse_mixer routing is not expressible")
+    if _attr_int(node, "swiglu_fusion", 0):
+        raise _Declined("fused swiglu weight layout (swiglu_fusion != 0) is not handled")
+    ins = list(node.inputs) + [None] * (8 - len(node.inputs))
+    x, logits, fc1, fc1_b, fc2, fc2_b, fc3, fc3_b = ins[:8]
+    if act != "silu" or fc3 is None:
+        raise _Declined(f"activation '{act}'{' without fc3' if fc3 is None else ''} is not SiLU-gated")
+    if any(b is not None for b in (fc1_b, fc2_b, fc3_b)):
+        raise _Declined("expert biases are not expressible in the INT8 chain")
+    w1, w2, w3 = (_const(v) for v in (fc1, fc2, fc3))
+    if w1 is None or w2 is None or w3 is None:
+        raise _Declined("expert weights are not constant initializers")
+    if x.dtype != ir.DataType.FLOAT:
+        raise _Declined(f"input is {x.dtype}, only float32 blocks are fused")
+    e, inter, h = w1.shape
+    if w3.shape != w1.shape or w2.shape != (e, h, inter):
+        raise _Declined(f"fc1/fc2/fc3 shapes {w1.shape}/{w2.shape}/{w3.shape} are not [E, I, H]/[E, H, I]/[E, I, H]")
+    k = _attr_int(node, "k", 1)
+    graph = model.graph
+    prefix = f"moe_int8/{where}"
+    pre: list[ir.Node] = []
+
+    def add(op, inputs, num_outputs=1, **attrs):
+        n = ir.node(op, inputs, attrs or None, num_outputs=num_outputs, name=f"{prefix}/{op}_{len(pre)}")
+        for j, o in enumerate(n.outputs):
+            o.name = f"{prefix}/{op}_{len(pre)}_{j}"
+        pre.append(n)
+        return n.outputs
+
+    x2 = x
+    if x.shape is None or len(x.shape) != 2:
+        x2 = add("Reshape", [x, _initializer(graph, f"{prefix}/shape_TH", np.array([-1, h], np.int64))])[0]
+    probs = add("Softmax", [logits], axis=-1)[0]
+    vals, ids = add("TopK", [probs, _initializer(graph, f"{prefix}/k", np.array([k], np.int64))], 2,
+                    axis=-1, largest=1, sorted=1)
+    wts = vals
+    if _attr_int(node, "normalize_routing_weights", 0):
+        s = add("ReduceSum", [vals, _initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
+        wts = add("Div", [vals, s])[0]
+    nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, w1.transpose(0, 2, 1),
+                                         w3.transpose(0, 2, 1), w2.transpose(0, 2, 1))
+    nodes = pre + nodes
+    if x2 is not x:
+        shp = ir.node("Shape", [x], name=f"{prefix}/Shape")
+        rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
+        shp.outputs[0].name, rs.outputs[0].name = f"{prefix}/Shape_0", f"{prefix}/Reshape_0"
+        nodes += [shp, rs]
+        out = rs.outputs[0]
+    graph.insert_after(node, nodes)
+    ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
+    return {"where": where, "form": "com.microsoft MoE", "experts": e, "top_k": k,
+            "intermediate": inter, "routing": "softmax -> topk" + (" -> renormalize" if _attr_int(
+                node, "normalize_routing_weights", 0) else ""),
+            "weight_bytes_before": w1.nbytes + w2.nbytes + w3.nbytes, "weight_bytes_after": nbytes}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def fuse_moe(model: ir.Model, options=None) -> FusionResult:
+    """Replaces every provable MoE block of ``model`` (changed in place) with the INT8 chain.
+
+    Returns a FusionResult: ``fused`` blocks, ``declined`` candidates with reasons, and
+    ``details["blocks"]``: per block its form, experts, top-k, routing and weight bytes before
+    (float32) and after (int8 + float32 scales).
+    """
+    result = FusionResult(kind="moe")
+    blocks_info: list[dict] = []
+    graph = model.graph
+    for node in list(graph):
+        if node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
+            try:
+                blocks_info.append(_fuse_contrib(model, node))
+                result.fused += 1
+            except _Declined as e:
+                result.declined.append(Decline(node.name or node.op_type, str(e)))
+    if result.fused:
+        model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
+        RemoveUnusedNodesPass()(model)
+
+    cands, declined = _candidates(graph)
+    result.declined += declined
+    if cands:
+        wanted: list[ir.Value] = []
+        for c in cands:
+            wanted += [c.x, c.ids, c.weights, c.hidden] + c.outs
+        wanted = list({id(v): v for v in wanted}.values())
+        probes, probe_error = [], None
+        try:
+            for t in PROBE_TOKENS[:2]:
+                probes.append(_run_probe(model, wanted, t))
+            # A long prompt hitting every expert checks every expert's weights; retry longer if not.
+            for c in cands:
+                hit = np.unique(probes[0][c.ids.name])
+                if hit.size < c.num_experts:
+                    probes.append(_run_probe(model, wanted, PROBE_TOKENS[2]))
+                    break
+        except Exception as e:  # the original model itself fails on a probe: nothing is provable
+            probe_error = ("the original model fails on probe inputs (a 1-token or longer prompt): a graph "
+                           "specialized to its example input, e.g. a trace of the experts it hit, cannot be "
+                           f"fused ({str(e).splitlines()[0][:160]})")
+        blocks = []
+        for c in cands:
+            if probe_error:
+                result.declined.append(Decline(c.topk.name, probe_error))
+                continue
+            hit = set(np.unique(np.concatenate([p[c.ids.name].reshape(-1) for p in probes])).tolist())
+            try:
+                if len(hit) < c.num_experts:
+                    raise _Declined(f"experts {sorted(set(range(c.num_experts)) - hit)} were never selected "
+                                    "on probe inputs, so their weights cannot be verified")
+                blocks.append(_analyze(model, c, probes))
+            except _Declined as e:
+                result.declined.append(Decline(c.topk.name, str(e)))
+        for b in blocks:
+            nbytes = _replace_block(model, b)
+            result.fused += 1
+            blocks_info.append({
+                "where": b.cand.topk.name, "form": b.form, "experts": b.cand.num_experts,
+                "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
+                "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
+                "weight_bytes_after": nbytes})
+        if blocks:
+            model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
+            RemoveUnusedNodesPass()(model)
+    result.details["blocks"] = blocks_info
+    return result
