@@ -162,7 +162,8 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
     """Literal DESIGN.md semantics for n queries of one q head against L keys of its kv head.
 
     q float32 [n, D] at positions first_pos .. first_pos + n - 1; kq, vq int8 [L, D];
-    sk, sv float32 [L]. Returns float32 [n, D].
+    sk, sv float32 [L]. Returns (float32 [n, D], code step float32 [n]: the largest W quantum
+    max_g(max_{t in g} W_t) / L of each query, 0 for pv none).
     """
     n, d = q.shape
     length = kq.shape[0]
@@ -181,7 +182,7 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
     p = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
     w = (p * sv[None, :]).astype(np.float32)
     if pv_quant == "none":
-        return (w @ vq.astype(np.float32)).astype(np.float32)
+        return (w @ vq.astype(np.float32)).astype(np.float32), np.zeros(n, np.float32)
     # Groups: absolute key positions [32g, 32g + 32); invisible keys have W = 0, so padding to a
     # whole group and taking the max over it is the max over the clipped visible range.
     levels = np.float32(PV_LEVELS[pv_quant])
@@ -195,19 +196,23 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
     # int32 inner sums per group (exact in float64), then O = sum_g (max_g W / L) * isum_g.
     isum = np.einsum("ngk,gkd->ngd", wq.astype(np.float64), vg.astype(np.float64)).astype(np.int64)
     gscale = (gmax / levels).astype(np.float32)
-    return (gscale[:, :, None] * isum.astype(np.float32)).astype(np.float32).sum(axis=1, dtype=np.float32)
+    out = (gscale[:, :, None] * isum.astype(np.float32)).astype(np.float32).sum(axis=1, dtype=np.float32)
+    return out, gscale.max(axis=1)
 
 
 def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, key_scale: np.ndarray,
               value_scale: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
               cu_seqlens_q: np.ndarray | None = None, *, scale: float | None = None, qk_quant: str = "s8",
-              pv_quant: str = "s8", partition_size: int = 256) -> np.ndarray:
+              pv_quant: str = "s8", partition_size: int = 256, return_code_step: bool = False):
     """numpy PagedAttentionInt8 (the spec; see the module docstring for shapes).
 
     ``partition_size`` is validated but does not enter the result: it only splits the work.
 
     Returns:
-        [T, Hq, D] in query's dtype.
+        [T, Hq, D] in query's dtype; with ``return_code_step`` also float32 [T, Hq], the largest
+        W quantum max_g(max W in g) / L of each row (0 for pv none): a kernel whose float
+        rounding moves one W code by 1 moves that row's output by at most this times |Vq| <= 128,
+        which is how tests bound such rounding-tie differences.
     """
     query = np.asarray(query)
     seq_lens = np.asarray(seq_lens).astype(np.int64)
@@ -222,6 +227,7 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
         _fail("input 'query' must be finite (NaN or Inf found)")
     scale = np.float32(1.0 / math.sqrt(d)) if scale is None else np.float32(scale)
     out = np.zeros((t, hq, d), np.float32)
+    step = np.zeros((t, hq), np.float32)
     group = hq // hkv
     for s in range(seq_lens.shape[0]):
         n = int(cu[s + 1] - cu[s])
@@ -231,10 +237,10 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
         kq, sk, vq, sv = gather_sequence(key_cache, value_cache, key_scale, value_scale, block_tables[s], length)
         for h in range(hq):
             kh = h // group
-            out[cu[s]:cu[s + 1], h] = _attend_one_head(
+            out[cu[s]:cu[s + 1], h], step[cu[s]:cu[s + 1], h] = _attend_one_head(
                 q32[cu[s]:cu[s + 1], h], kq[:, kh], sk[:, kh], vq[:, kh], sv[:, kh], length - n, scale,
                 qk_quant, pv_quant)
-    return out.astype(query.dtype)
+    return (out.astype(query.dtype), step) if return_code_step else out.astype(query.dtype)
 
 
 def exact_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seqlens_k: np.ndarray,

@@ -1,0 +1,315 @@
+# SPDX-License-Identifier: MIT
+"""PagedAttentionInt8 on the CPU EP against ort_ops.reference.paged_attention_int8.
+
+Every kernel variant the CPU has (scalar, AVX2, AVX-VNNI, AVX-512 VNNI) on fresh random data:
+decode with several sequences (1-token context, a context ending on a partition boundary,
+partial groups and blocks), prefill chunks with history, every head_dim and block size, GQA
+ratios, float16 queries, scattered block tables with -1 padding and random bytes in unused
+slots. The INT8 P.V paths are checked where 16-bit saturation would bite (W codes 255 against
+V codes +-127, -128 codes), and the error budget against fp64 attention at 4k, 8k, 16k keys.
+Tolerances: tests/tolerances.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ort_ops import reference
+from ort_ops.ops import paged_attention_int8
+from ort_ops.ops._run import make_session, run_single_op
+from ort_ops.ops.paged_attention_int8 import build_paged_cache
+from tests import tolerances as tol
+from tests.conftest import available_isas, use_isa
+
+SCHEMA = paged_attention_int8.SCHEMA
+OP = "PagedAttentionInt8"
+ISAS = ["scalar", "avx2", "avxvnni", "avx512vnni"]
+CACHE = ("key_cache", "value_cache", "key_scale", "value_scale", "block_tables", "seq_lens")
+
+
+def _best_isa() -> str:
+    return available_isas()[-1]
+
+
+def _case(rng, lens, q_lens=None, hq=8, hkv=2, d=128, b=16, dtype=np.float32, spread=None):
+    """Inputs for sequences with context lengths ``lens``; ``q_lens`` None: decode.
+
+    Returns (inputs for the op, max |V| of the float values: the scale of the outputs).
+    """
+    lens = np.asarray(lens)
+    cuk = np.concatenate([[0], np.cumsum(lens)])
+    spread = rng.uniform(0.1, 3.0) if spread is None else spread
+    k = (rng.standard_normal((cuk[-1], hkv, d)) * spread).astype(np.float32)
+    v = (rng.standard_normal((cuk[-1], hkv, d)) * spread).astype(np.float32)
+    cache = build_paged_cache(k, v, cuk, b, rng)
+    t = len(lens) if q_lens is None else int(np.sum(q_lens))
+    ins = {"query": (rng.standard_normal((t, hq, d)) * rng.uniform(0.3, 3.0)).astype(dtype),
+           **{n: cache[n] for n in CACHE}}
+    if q_lens is not None:
+        ins["cu_seqlens_q"] = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return ins, float(np.abs(v).max(initial=0.0))
+
+
+def _assert_matches(got, ins, vmax, **attrs):
+    want, step = reference.paged_attention_int8(**ins, **attrs, return_code_step=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.all(np.isfinite(got)), f"{np.count_nonzero(~np.isfinite(got))} non-finite outputs"
+    bound = tol.ATTN_FLOAT_ATOL_REL_VMAX * vmax + tol.ATTN_CODE_MOVES_PER_ROW * 128.0 * step[..., None].astype(np.float64)
+    if want.dtype == np.float16:
+        bound = bound + tol.ATTN_FP16_ULPS * np.spacing(np.abs(want)).astype(np.float64)
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = np.argwhere(diff > bound)
+    assert bad.size == 0, (f"{len(bad)} of {diff.size} outputs off, first at {bad[:4].tolist()}: got "
+                           f"{got[tuple(bad[0])]} want {want[tuple(bad[0])]} bound {bound[tuple(bad[0])]}")
+    # W-code moves at rounding ties are rare; many moved rows mean wrong scale groups.
+    float_bound = bound - tol.ATTN_CODE_MOVES_PER_ROW * 128.0 * step[..., None].astype(np.float64)
+    moved = np.any(diff > float_bound, axis=-1)
+    allowed = tol.ATTN_MOVED_ROWS_MIN + tol.ATTN_MOVED_ROWS_FRACTION * moved.size
+    assert moved.sum() <= allowed, f"{moved.sum()} of {moved.size} rows beyond float rounding: {np.argwhere(moved)[:6].tolist()}"
+
+
+def _run(ins, **attrs):
+    return run_single_op(SCHEMA, ins, **attrs)[0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pv", ["s8", "u8", "none"])
+@pytest.mark.parametrize("qk", ["s8", "none"])
+def test_decode(monkeypatch, rng, isa, pv, qk):
+    """Several sequences in one call: 1 key, a partial group, a context ending exactly on a
+    partition boundary, partial blocks and groups across several partitions."""
+    use_isa(monkeypatch, isa)
+    ins, vmax = _case(rng, [1, 19, 256, 700], hq=8, hkv=2, d=128, b=16)
+    _assert_matches(_run(ins, pv_quant=pv, qk_quant=qk), ins, vmax, pv_quant=pv, qk_quant=qk)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pv", ["s8", "u8", "none"])
+def test_prefill_with_history(monkeypatch, rng, isa, pv):
+    """cu_seqlens_q: a whole prompt (no history), a one-token step, a sequence without queries,
+    a 70-token chunk after 530 cached tokens (several query chunks and key tiles, causal)."""
+    use_isa(monkeypatch, isa)
+    ins, vmax = _case(rng, [5, 100, 40, 600], q_lens=[5, 1, 0, 70], hq=4, hkv=1, d=64, b=32)
+    _assert_matches(_run(ins, pv_quant=pv), ins, vmax, pv_quant=pv)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "best"])
+@pytest.mark.parametrize("d,b", [(64, 8), (80, 16), (96, 32), (128, 64), (256, 128), (80, 256), (256, 8)],
+                         ids=lambda v: str(v))
+def test_head_dims_and_block_sizes(monkeypatch, rng, isa, d, b):
+    use_isa(monkeypatch, _best_isa() if isa == "best" else isa)
+    ins, vmax = _case(rng, [3, 77, 300], q_lens=[3, 1, 9], hq=4, hkv=2, d=d, b=b)
+    for pv in ("s8", "u8"):
+        _assert_matches(_run(ins, pv_quant=pv), ins, vmax, pv_quant=pv)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "best"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1), (12, 4), (40, 8)], ids=lambda v: str(v))
+def test_gqa_ratios(monkeypatch, rng, isa, hq, hkv):
+    use_isa(monkeypatch, _best_isa() if isa == "best" else isa)
+    ins, vmax = _case(rng, [50, 333], q_lens=[1, 20], hq=hq, hkv=hkv, d=96, b=16)
+    _assert_matches(_run(ins), ins, vmax)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "best"])
+def test_float16_query(monkeypatch, rng, isa):
+    use_isa(monkeypatch, _best_isa() if isa == "best" else isa)
+    ins, vmax = _case(rng, [9, 260], q_lens=[9, 4], hq=8, hkv=4, d=128, b=16, dtype=np.float16)
+    for pv in ("s8", "u8", "none"):
+        out = _run(ins, pv_quant=pv)
+        assert out.dtype == np.float16
+        _assert_matches(out, ins, vmax, pv_quant=pv)
+
+
+@pytest.mark.parametrize("partition_size", [32, 96, 256, 4096])
+def test_partition_size_changes_nothing_but_rounding(rng, partition_size):
+    ins, vmax = _case(rng, [1000, 64, 2], hq=4, hkv=2, d=64, b=32)
+    _assert_matches(_run(ins, partition_size=partition_size), ins, vmax)
+
+
+def test_scale_attribute(rng):
+    ins, vmax = _case(rng, [40, 90], hq=4, hkv=2, d=64, b=8)
+    _assert_matches(_run(ins, scale=0.37), ins, vmax, scale=0.37)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pv", ["s8", "u8"])
+def test_no_16bit_saturation(monkeypatch, isa, pv):
+    """W codes all at L (255 for u8: equal scores and V scales) against V codes +-127: each
+    32-token group sums 32 * 255 * 127 = 1036320, far past int16 (maddubs would saturate at
+    32767 per pair). The output must be exactly +-127 * sV."""
+    use_isa(monkeypatch, isa)
+    n, hkv, b, d, length = 4, 2, 32, 128, 100
+    sign = np.where(np.arange(d) % 2 == 0, 127, -127).astype(np.int8)
+    ins = {"query": np.zeros((2, 4, d), np.float32),  # all scores 0: P uniform, W codes all L
+           "key_cache": np.full((n, hkv, b, d), 5, np.int8),
+           "value_cache": np.broadcast_to(sign[None, None, :, None], (n, hkv, d, b)).copy(),
+           "key_scale": np.full((n, hkv, b), 0.5, np.float32),
+           "value_scale": np.full((n, hkv, b), 0.25, np.float32),
+           "block_tables": np.array([[2, 0, 3, 1], [1, 3, -1, -1]], np.int32),
+           "seq_lens": np.array([length, 40], np.int32)}
+    out = _run(ins, pv_quant=pv)
+    np.testing.assert_allclose(out, np.broadcast_to(sign * np.float32(0.25), out.shape), rtol=1e-6, atol=0)
+    _assert_matches(out, ins, 127 * 0.25, pv_quant=pv)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_minus_128_codes(monkeypatch, rng, isa):
+    """Codes of -128 (never written by QuantizeKVCache, but representable) stay exact in every
+    integer dot product: |k| = 128 against q codes +-127, W codes against V = -128."""
+    use_isa(monkeypatch, isa)
+    ins, _ = _case(rng, [70, 129], hq=4, hkv=2, d=80, b=16)
+    ins["key_cache"][ins["key_cache"] < -100] = -128
+    ins["value_cache"][ins["value_cache"] < -100] = -128
+    vmax = 128 * float(ins["value_scale"].max())
+    for pv in ("s8", "u8"):
+        _assert_matches(_run(ins, pv_quant=pv), ins, vmax, pv_quant=pv)
+
+
+def test_session_reused_across_shapes(rng):
+    first, _ = _case(rng, [10], hq=4, hkv=2, d=64, b=16)
+    sess = make_session(SCHEMA, first, dynamic_shapes=True)
+    for lens in ([10], [300, 1, 45], [2, 2]):
+        ins, vmax = _case(rng, lens, hq=4, hkv=2, d=64, b=16)
+        _assert_matches(sess.run(None, ins)[0], ins, vmax)
+
+
+@pytest.mark.parametrize("length", [4096, 8192, 16384])
+def test_error_budget_vs_fp64(rng, length):
+    """RMS error against fp64 attention on the unquantized K/V, N(0,1), head_dim 128: INT8 P.V
+    costs at most 1.4x (s8) / 1.15x (u8) the error of K/V quantization alone (pv none)."""
+    hq, hkv, d = 4, 1, 128
+    k = rng.standard_normal((length, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((length, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((1, hq, d)).astype(np.float32)
+    cache = build_paged_cache(k, v, [0, length], 32, rng)
+    ins = {"query": q, **{n: cache[n] for n in CACHE}}
+    exact = reference.exact_attention(q, k, v, [0, length])
+    rms, mx = {}, {}
+    for pv in ("none", "s8", "u8"):
+        err = _run(ins, pv_quant=pv).astype(np.float64) - exact
+        rms[pv], mx[pv] = float(np.sqrt(np.mean(err ** 2))), float(np.abs(err).max())
+    print(f"L={length} max abs {mx} rms {rms}")
+    assert rms["s8"] <= tol.ATTN_RMS_RATIO_S8_VS_NONE * rms["none"], rms
+    assert rms["u8"] <= tol.ATTN_RMS_RATIO_U8_VS_NONE * rms["none"], rms
+
+
+# --- bad input: a clear error naming the op and the input, never a crash or a wrong answer ---
+
+def _small(rng, **kw):
+    ins, _ = _case(rng, [20, 9], hq=4, hkv=2, d=64, b=8, **kw)
+    return ins
+
+
+def _raises(ins, match, **attrs):
+    with pytest.raises(Exception, match=match):
+        _run(ins, **attrs)
+
+
+def test_seq_len_beyond_block_table(rng):
+    ins = _small(rng)
+    m = ins["block_tables"].shape[1]
+    ins["seq_lens"][1] = m * 8 + 1
+    _raises(ins, rf"{OP}: input 'seq_lens' must be in 0..{m * 8} \(max_blocks \* block_size\), got seq_lens\[1\] = {m * 8 + 1}")
+
+
+@pytest.mark.parametrize("blk", [-1, 10_000])
+def test_block_id_out_of_range(rng, blk):
+    ins = _small(rng)
+    n = ins["key_cache"].shape[0]
+    ins["block_tables"][0, 2] = blk
+    _raises(ins, rf"{OP}: input 'block_tables' must hold block ids in 0..{n - 1}, got block_tables\[0, 2\] = {blk}")
+    with pytest.raises(ValueError, match="block_tables"):
+        reference.paged_attention_int8(**ins)
+
+
+def test_query_heads_not_multiple_of_kv_heads(rng):
+    ins = _small(rng)
+    ins["query"] = ins["query"][:, :3]
+    _raises(ins, rf"{OP}: query heads \(3\) must be a multiple of kv heads \(2")
+
+
+@pytest.mark.parametrize("name,shape,expected", [
+    ("key_cache", (6, 2, 8, 32), r"input 'key_cache' must have shape \[6, 2, 8, 64\], got \[6, 2, 8, 32\]"),
+    ("value_cache", (6, 2, 8, 64), r"input 'value_cache' must have shape \[6, 2, 64, 8\], got \[6, 2, 8, 64\]"),
+    ("key_scale", (6, 2, 16), r"input 'key_scale' must have shape \[6, 2, 8\], got \[6, 2, 16\]"),
+    ("value_scale", (5, 2, 8), r"input 'value_scale' must have shape \[6, 2, 8\], got \[5, 2, 8\]"),
+    ("seq_lens", (3,), r"input 'seq_lens' must have shape \[2\], got \[3\]"),
+    ("block_tables", (2,), r"input 'block_tables' must have rank 2, got shape \[2\]"),
+])
+def test_shape_disagreements(rng, name, shape, expected):
+    ins = _small(rng)
+    ins["key_cache"] = ins["key_cache"][:6]
+    for n in ("value_cache", "key_scale", "value_scale"):
+        ins[n] = ins[n][:6]
+    ins["block_tables"] = np.minimum(ins["block_tables"], 5)
+    ins[name] = np.zeros(shape, ins[name].dtype)
+    _raises(ins, f"{OP}: " + expected)
+
+
+@pytest.mark.parametrize("d", [32, 48, 112, 512])
+def test_unsupported_head_dim(rng, d):
+    ins, _ = _case(rng, [5], hq=2, hkv=1, d=d, b=8)
+    _raises(ins, rf"{OP}: head_dim must be one of \{{64, 80, 96, 128, 256\}}, got {d}")
+
+
+@pytest.mark.parametrize("b", [4, 12, 512])
+def test_unsupported_block_size(rng, b):
+    ins = _small(rng)
+    n = ins["key_cache"].shape[0]
+    for name, shape in (("key_cache", (n, 2, b, 64)), ("value_cache", (n, 2, 64, b)),
+                        ("key_scale", (n, 2, b)), ("value_scale", (n, 2, b))):
+        ins[name] = np.zeros(shape, ins[name].dtype)
+    _raises(ins, rf"{OP}: block_size \(dim 2 of input 'key_cache'\) must be a power of two in 8..256, got {b}")
+
+
+def test_decode_needs_one_query_per_sequence(rng):
+    ins = _small(rng)
+    ins["query"] = np.concatenate([ins["query"], ins["query"]])
+    _raises(ins, rf"{OP}: input 'query' must have T == S == 2 rows in decode \(no 'cu_seqlens_q'\), got T = 4")
+
+
+@pytest.mark.parametrize("cu,expected", [
+    ([0, 3], r"input 'cu_seqlens_q' must have shape \[3\], got \[2\]"),
+    ([0, 4, 2], r"input 'cu_seqlens_q' must rise from 0 to T = 2"),
+    ([1, 1, 2], r"input 'cu_seqlens_q' must rise from 0 to T = 2"),
+])
+def test_bad_cu_seqlens(rng, cu, expected):
+    ins = _small(rng)
+    ins["cu_seqlens_q"] = np.array(cu, np.int32)
+    _raises(ins, f"{OP}: " + expected)
+
+
+def test_more_queries_than_context(rng):
+    ins, _ = _case(rng, [3, 9], q_lens=[1, 4], hq=4, hkv=2, d=64, b=8)
+    ins["seq_lens"][1] = 3
+    _raises(ins, rf"{OP}: input 'seq_lens' must be >= the query count of each sequence, got seq_lens\[1\] = 3 < 4 queries")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("qk", ["s8", "none"])
+def test_non_finite_query(rng, bad, qk):
+    ins = _small(rng)
+    ins["query"][1, 3, 5] = bad
+    _raises(ins, rf"{OP}: input 'query' must be finite, got NaN or Inf in token 1, head 3", qk_quant=qk)
+
+
+def test_wrong_dtypes(rng):
+    ins = _small(rng)
+    _raises(dict(ins, query=ins["query"].astype(np.float64)),
+            rf"{OP}: input 'query' must be float32 or float16, got float64")
+    # Fixed-dtype inputs: ORT refuses the model at session creation, naming the input and the op.
+    _raises(dict(ins, block_tables=ins["block_tables"].astype(np.int64)), rf"\(block_tables\) of operator \({OP}\)")
+    _raises(dict(ins, key_scale=ins["key_scale"].astype(np.float16)), rf"\(key_scale\) of operator \({OP}\)")
+
+
+@pytest.mark.parametrize("attrs,expected", [
+    ({"pv_quant": "s4"}, r"attribute 'pv_quant' must be s8, u8 or none, got 's4'"),
+    ({"qk_quant": "u8"}, r"attribute 'qk_quant' must be s8 or none, got 'u8'"),
+    ({"partition_size": 48}, r"attribute 'partition_size' must be a positive multiple of 32, got 48"),
+    ({"partition_size": 0}, r"attribute 'partition_size' must be a positive multiple of 32, got 0"),
+    ({"scale": float("inf")}, r"attribute 'scale' must be finite"),
+])
+def test_bad_attributes(rng, attrs, expected):
+    _raises(_small(rng), f"{OP}: " + expected, **attrs)
