@@ -335,11 +335,12 @@ def _follow_weights(values: ir.Value, softmax_first: bool) -> tuple[ir.Value, st
 # step 3: structure inside the block
 
 
-def _gated_products(region: set[ir.Node]) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
-    """(gate pre-activation, up, product) of every ``a * Sigmoid(a) * b`` in the region."""
+def _gated_products(graph: ir.Graph, region: set[ir.Node]) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
+    """(gate pre-activation, up, product) of every ``a * Sigmoid(a) * b`` in the region, in graph
+    order (an unrolled loop's order is its expert order)."""
     out = []
-    for s in region:
-        if s.op_type != "Sigmoid":
+    for s in graph:
+        if s not in region or s.op_type != "Sigmoid":
             continue
         a = s.inputs[0]
         silu = next((m for m in _consumers(s.outputs[0]) if m.op_type == "Mul"
@@ -526,10 +527,20 @@ def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dic
     for v in graph.inputs:
         if v.is_initializer():
             continue
-        shape = []
-        for i, d in enumerate(v.shape.dims if v.shape is not None else ()):
-            shape.append(d if isinstance(d, int) else (1 if i == 0 and len(v.shape) > 1 else tokens))
+        # Symbolic dims: token ids [B, S] get [1, tokens]; otherwise the first symbolic dim is the
+        # token axis and any other is 1.
+        dims = list(v.shape.dims) if v.shape is not None else []
         dt = v.dtype.numpy()
+        ids_like = np.issubdtype(dt, np.integer) and len(dims) == 2
+        shape, given = [], False
+        for i, d in enumerate(dims):
+            if isinstance(d, int):
+                shape.append(d)
+            elif ids_like and i == 0:
+                shape.append(1)
+            else:
+                shape.append(1 if given else tokens)
+                given = True
         name = (v.name or "").lower()
         if np.issubdtype(dt, np.integer):
             if "mask" in name:
@@ -636,7 +647,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
             continue
         try:
             _check_region(region, {cand.hidden, cand.x})
-            products = _gated_products(region)
+            products = _gated_products(model.graph, region)
             if not products:
                 raise _Declined("no SiLU-gated expert MLP (x * Sigmoid(x) * up) between router and output")
             consts = _weight_constants(region, h)
