@@ -19,6 +19,7 @@
 
 #ifdef ORT_OPS_WITH_CUDA
 #include "cuda/cuda_info.h"
+#include "ops/grouped_matmul_swiglu_quant/cuda_op.h"
 #endif
 
 #ifndef ORT_OPS_VERSION
@@ -46,6 +47,9 @@ std::vector<const CustomOp*> all_ops() {
       &grouped_matmul_dequant_cpu_op(),
       &moe_init_routing_cpu_op(),
       &moe_finalize_routing_cpu_op(),
+#ifdef ORT_OPS_WITH_CUDA
+      &grouped_matmul_swiglu_quant_cuda_op(),
+#endif
   };
 }
 

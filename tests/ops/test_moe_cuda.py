@@ -290,3 +290,71 @@ def test_gmsq_cuda_reports_non_finite(torch_cuda, rng):
     assert err & ERR_NON_FINITE
     with pytest.raises(ValueError, match="not finite"):
         reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl)
+
+
+# ---- through a real onnxruntime-gpu session (CUDA EP) ----
+
+@pytest.fixture
+def cuda_ep_session():
+    """A factory of one-node GroupedMatmulSwigluQuant sessions on the CUDA EP, with profiling on
+    so the test can prove the node ran there (skips without onnxruntime-gpu or a CUDA build)."""
+    import onnxruntime as ort
+
+    from ort_ops import build_info
+    from ort_ops._lib import session_options
+    from ort_ops.ops import grouped_matmul_swiglu_quant as gmsq_mod
+    from ort_ops.ops._schema import single_op_model
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
+    if not build_info()["cuda"]:
+        pytest.skip("the ort_ops library was built without CUDA")
+
+    def make(inputs, **attrs):
+        model = single_op_model(gmsq_mod.SCHEMA, inputs, dynamic_shapes=True, **attrs)
+        so = session_options()
+        so.enable_profiling = True
+        return ort.InferenceSession(model.SerializeToString(), so,
+                                    providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+    return make
+
+
+def _providers_of(sess, op_type):
+    import json
+
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    return {e["args"].get("provider") for e in events
+            if e.get("cat") == "Node" and e["args"].get("op_name") == op_type}
+
+
+@cuda
+@pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
+def test_gmsq_cuda_ep_session(cuda_ep_session, rng, scale_dtype):
+    m, k, n, counts = 211, 256, 320, [0, 1, 100, 0, 90]
+    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=20)
+    ws, xs = ws.astype(scale_dtype), xs.astype(scale_dtype)
+    feeds = {"x": x, "weight": w, "weight_scale": ws, "x_scale": xs, "group_list": gl}
+    sess = cuda_ep_session(feeds)
+    got = sess.run(None, feeds)
+    assert _providers_of(sess, "GroupedMatmulSwigluQuant") == {"CUDAExecutionProvider"}
+    _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
+
+
+@cuda
+def test_gmsq_cuda_ep_session_errors(cuda_ep_session, rng):
+    x, w, ws, xs, _ = _problem(rng, 40, 64, 64, [40])
+    w2, ws2 = w[[0, 0]], ws[[0, 0]]
+    feeds = {"x": x, "weight": w2, "weight_scale": ws2, "x_scale": xs,
+             "group_list": np.asarray([30, 10], np.int64)}
+    sess = cuda_ep_session(feeds)
+    with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: input 'group_list' must be non-decreasing"):
+        sess.run(None, feeds)
+    feeds["group_list"] = np.asarray([10, 40], np.int64)
+    feeds["x_scale"] = xs.copy()
+    feeds["x_scale"][3] = np.inf
+    with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: .*not finite"):
+        sess.run(None, feeds)
+    feeds["x_scale"] = xs
+    sess.run(None, feeds)  # the session still works after a failed Run

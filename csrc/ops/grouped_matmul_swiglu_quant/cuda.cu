@@ -30,6 +30,7 @@
 // in the reference's order (no FMA contraction), including the contract's polynomial exp.
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -557,7 +558,20 @@ cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t strea
 
 size_t align16(size_t v) { return (v + 15) / 16 * 16; }
 
+__global__ void half_to_float_kernel(const __half* src, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = __half2float(src[i]);
+}
+
 }  // namespace
+
+cudaError_t launch_half_to_float(const uint16_t* src, float* dst, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 1024));
+  half_to_float_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const __half*>(src), dst, n);
+  return cudaGetLastError();
+}
 
 size_t gmsq_workspace_bytes(int64_t m, int64_t e) {
   const int64_t max_blocks = (m + 15) / 16 + e + 1;  // smallest BM is 16

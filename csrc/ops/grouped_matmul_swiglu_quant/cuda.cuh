@@ -57,6 +57,9 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t e);
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
 inline int* gmsq_error_word(void* workspace) { return static_cast<int*>(workspace); }
 
+// float16 scales (bits) -> float32 on `stream` (exact: every float16 is a float32).
+cudaError_t launch_half_to_float(const uint16_t* src, float* dst, int64_t n, cudaStream_t stream);
+
 }  // namespace ort_ops::gmsq_cuda
 
 // Plain C entry for tests and benchmarks (ctypes, torch tensors): the arguments of GmsqParams in
