@@ -15,7 +15,7 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
+#include <cstring>
 
 #include "ops/paged_attention_int8/cpu.h"
 
@@ -60,6 +60,42 @@ inline float hmax_ps(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// 8x8 transpose of 32-bit lanes: on return r[k] holds lane k of the 8 inputs. Used on V
+// slices: rows = 8 output dims x 32 tokens, so after it r[k] = tokens 4k..4k+3 of each of the 8
+// dims, and a dot product over tokens needs no horizontal reduction.
+inline void transpose8x8_epi32(__m256i* r) {
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  r[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+  r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+  r[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+  r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+  r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// Loads the 32-token slices of output dims d0 .. d0 + 7 and transposes them (see above).
+inline void load_v_octet(const int8_t* v, int64_t stride, int64_t d0, __m256i* c) {
+  for (int j = 0; j < 8; ++j)
+    c[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (d0 + j) * stride));
+  transpose8x8_epi32(c);
+}
+
+// Four W codes (tokens 4k..4k+3) of one row, broadcast to every lane.
+inline __m256i bcast_codes(const uint8_t* codes, int k) {
+  int32_t x;
+  std::memcpy(&x, codes + 4 * k, 4);
+  return _mm256_set1_epi32(x);
 }
 
 // 32 bytes of a K row from byte 32c; a 16-byte tail (head_dim 80) is zero extended, so a row is
@@ -231,15 +267,15 @@ struct Avx2Kern {
                      int32_t* isum, int64_t ldi) {
     if (!u8) {  // codes 0..127: maddubs is exact
       const __m256i ones = _mm256_set1_epi16(1);
-      for (int64_t r = 0; r < rows; ++r) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * kGroup));
-        for (int64_t d0 = 0; d0 < d; d0 += 8) {
-          __m256i acc[8];
-          for (int j = 0; j < 8; ++j) {
-            const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (d0 + j) * stride));
-            acc[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, vv), ones);
-          }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), reduce8_epi32(acc));
+      for (int64_t d0 = 0; d0 < d; d0 += 8) {
+        __m256i c[8];
+        load_v_octet(v, stride, d0, c);
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint8_t* cr = codes + r * kGroup;
+          __m256i acc = _mm256_setzero_si256();
+          for (int k = 0; k < 8; ++k)
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(bcast_codes(cr, k), c[k]), ones));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), acc);
         }
       }
       return;

@@ -79,12 +79,16 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
     const int64_t t1 = imin(task.key_end, (t0 / kTile + 1) * kTile);
     const int64_t n = t1 - t0;
     const int64_t n_pad = (n + kGroup - 1) / kGroup * kGroup;
-    // 1. token pointers and scales.
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t bh = cache_bh(t0 + i), off = (t0 + i) & (B - 1);
-      kptr[i] = p.key_cache + (bh * B + off) * D;
-      sk[i] = p.key_scale[bh * B + off];
-      sv[i] = p.value_scale[bh * B + off];
+    // 1. token pointers and scales, one block-table lookup per run of tokens in one block.
+    for (int64_t i = 0; i < n;) {
+      const int64_t off = (t0 + i) & (B - 1);
+      const int64_t run = imin(B - off, n - i);
+      const int64_t row = cache_bh(t0 + i) * B + off;
+      const int8_t* k = p.key_cache + row * D;
+      for (int64_t j = 0; j < run; ++j) kptr[i + j] = k + j * D;
+      std::memcpy(sk + i, p.key_scale + row, run * sizeof(float));
+      std::memcpy(sv + i, p.value_scale + row, run * sizeof(float));
+      i += run;
     }
     // 2. scores for every row and key of the tile (causal masking below).
     if (p.qk_s8) {
@@ -139,10 +143,13 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
             for (int64_t d = 0; d < D; ++d) std::memset(vgather + d * kGroup + sub, 0, B);
             continue;
           }
-          const int64_t bh = cache_bh(t0 + g0 + sub);
-          const int8_t* src = p.value_cache + bh * D * B;  // sub-blocks start at offset 0
-          for (int64_t d = 0; d < D; ++d)
-            std::memcpy(vgather + d * kGroup + sub, src + d * B, B);
+          const int8_t* src = p.value_cache + cache_bh(t0 + g0 + sub) * D * B;  // offset 0
+          int8_t* dst = vgather + sub;
+          if (B == 16) {  // constant sizes: plain 16- and 8-byte moves, no library call
+            for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * kGroup, src + d * 16, 16);
+          } else {
+            for (int64_t d = 0; d < D; ++d) std::memcpy(dst + d * kGroup, src + d * 8, 8);
+          }
         }
         vsrc = vgather;
         stride = kGroup;

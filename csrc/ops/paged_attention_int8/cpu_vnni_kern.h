@@ -54,15 +54,14 @@ struct VnniKern : Avx2Kern {
 
   static void pv_int(const uint8_t* codes, int64_t rows, const int8_t* v, int64_t stride, int64_t d, bool /*u8*/,
                      int32_t* isum, int64_t ldi) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + r * kGroup));
-      for (int64_t d0 = 0; d0 < d; d0 += 8) {
-        __m256i acc[8];
-        for (int j = 0; j < 8; ++j) {
-          const __m256i vv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (d0 + j) * stride));
-          acc[j] = ORT_OPS_DPBUSD(_mm256_setzero_si256(), w, vv);
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), reduce8_epi32(acc));
+    for (int64_t d0 = 0; d0 < d; d0 += 8) {
+      __m256i c[8];
+      load_v_octet(v, stride, d0, c);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* cr = codes + r * kGroup;
+        __m256i acc = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) acc = ORT_OPS_DPBUSD(acc, bcast_codes(cr, k), c[k]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), acc);
       }
     }
   }

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -51,6 +52,38 @@ constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 
 bool supported_head_dim(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+
+// A task's working memory (cpu.h, Scratch) carved from one buffer per pool thread that is kept
+// across Runs: a decode step runs hundreds of tasks, and allocating per task would cost more
+// than a 256-key partition's arithmetic.
+pa::Scratch task_scratch(int64_t rows, int64_t d) {
+  thread_local std::vector<unsigned char> buffer;
+  const int64_t R = rows, T = pa::kTile, G = pa::kGroup;
+  const int64_t sizes[] = {
+      R * int64_t{sizeof(void*)}, R * int64_t{sizeof(void*)}, R * 4, R * 4, R * 4, R * 8,  // q_codes .. last_pos
+      R * d * 4, R * T * 4, R * T * 4, R * T * 4,   // out, iscore, score, w
+      T * int64_t{sizeof(void*)}, T * 4, T * 4,      // kptr, sk, sv
+      R * G, R * 4, R * d * 4, d * G};               // codes, gscale, isum, vgather
+  int64_t offsets[sizeof(sizes) / sizeof(sizes[0])];
+  int64_t total = 0;
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+    offsets[i] = total;
+    total += (sizes[i] + 63) / 64 * 64;  // each array 64-byte aligned within the buffer
+  }
+  if (static_cast<int64_t>(buffer.size()) < total + 64) buffer.resize(total + 64);
+  unsigned char* base = buffer.data();
+  base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+  auto at = [&](int i) { return static_cast<void*>(base + offsets[i]); };
+  return pa::Scratch{static_cast<const int8_t**>(at(0)), static_cast<const float**>(at(1)),
+                     static_cast<float*>(at(2)),         static_cast<float*>(at(3)),
+                     static_cast<float*>(at(4)),         static_cast<int64_t*>(at(5)),
+                     static_cast<float*>(at(6)),         static_cast<int32_t*>(at(7)),
+                     static_cast<float*>(at(8)),         static_cast<float*>(at(9)),
+                     static_cast<const int8_t**>(at(10)), static_cast<float*>(at(11)),
+                     static_cast<float*>(at(12)),        static_cast<uint8_t*>(at(13)),
+                     static_cast<float*>(at(14)),        static_cast<int32_t*>(at(15)),
+                     static_cast<int8_t*>(at(16))};
+}
 
 class PagedAttentionInt8Cpu final : public KernelImpl {
  public:
@@ -240,20 +273,7 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
     p.part_l = part_l.data();
     parallel_for(ctx, tasks.size(), [&](size_t i) {
       const pa::Task& task = tasks[i];
-      const int64_t R = task.n_q * G;
-      std::vector<const int8_t*> q_codes_r(R), kptr(pa::kTile);
-      std::vector<const float*> q_f32_r(R);
-      std::vector<float> q_scale_r(R), m(R), l(R), gscale(R), out(R * D), score(R * pa::kTile),
-          w(R * pa::kTile), sk(pa::kTile), sv(pa::kTile);
-      std::vector<int64_t> last_pos(R);
-      std::vector<int32_t> iscore(qk_s8_ ? R * pa::kTile : 0), isum(R * D);
-      std::vector<uint8_t> codes(R * pa::kGroup);
-      std::vector<int8_t> vgather(B < pa::kGroup ? D * pa::kGroup : 0);
-      const pa::Scratch sc{q_codes_r.data(), q_f32_r.data(), q_scale_r.data(), m.data(), l.data(),
-                           last_pos.data(), out.data(), iscore.data(), score.data(), w.data(),
-                           kptr.data(), sk.data(), sv.data(), codes.data(), gscale.data(),
-                           isum.data(), vgather.data()};
-      task_(p, task, sc);
+      task_(p, task, task_scratch(task.n_q * G, D));
     });
 
     // Merge each token's key ranges by log-sum-exp: O = sum_p e^(m_p - M) O_p / sum_p e^(m_p - M) l_p.
