@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: MIT
+// QuantizeKVCache on the GPU: launcher on raw device pointers (no ORT headers). Spec:
+// ort_ops/ops/quantize_kv_cache.py. Shapes (T new tokens, H kv heads, D head dim, N blocks,
+// B block size): key/value [T, H, D] fp16 or fp32; slot_mapping int64 [T]; key_cache int8
+// [N, H, B, D]; value_cache int8 [N, H, D, B]; key_scale/value_scale float32 [N, H, B].
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ort_ops {
+
+// Bits the kernel ORs into *status (a device int the caller zeroes and reads back).
+enum QuantizeKvStatus : int {
+  kQkvSlotOutOfRange = 1,  // a slot >= N * B: the token is skipped, nothing written out of bounds
+  kQkvNonFinite = 2,       // a K or V vector holds NaN/Inf: its codes are not written
+};
+
+struct QuantizeKvCacheParams {
+  const void* key = nullptr;
+  const void* value = nullptr;
+  bool input_fp16 = false;
+  const int64_t* slot_mapping = nullptr;
+  int8_t* key_cache = nullptr;
+  int8_t* value_cache = nullptr;
+  float* key_scale = nullptr;
+  float* value_scale = nullptr;
+  int num_tokens = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;  // 1..512
+  int block_size = 0;
+  int64_t num_slots = 0;  // N * B
+  int* status = nullptr;  // required
+};
+
+// Quantizes each (token, kv head) K and V vector with the contract's rule (bit-exact with
+// ort_ops.ops._quant.quantize_rows) and writes the codes and scales into its slot. Slots must
+// be distinct (the caller checks; two tokens of one slot would race). Returns the launch status.
+cudaError_t launch_quantize_kv_cache(const QuantizeKvCacheParams& p, cudaStream_t stream);
+
+}  // namespace ort_ops

@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: MIT
+"""QuantizeKVCache and PagedAttentionInt8 CUDA kernels against ort_ops.reference.
+
+The launchers run through ctypes (ort_ops._cuda) on torch CUDA tensors; every test is
+``@pytest.mark.cuda`` and skips with the reason when torch, a GPU or a CUDA build is missing.
+QuantizeKVCache codes and scales are bit-exact. PagedAttentionInt8 outputs are within the
+bounds in tests/tolerances.py (why: the kernel's exp and summation order differ from numpy's,
+which can move a W code by one at a rounding tie). Outputs are poisoned with NaN before each
+run, so an unwritten element fails.
+
+Alphabet: T query tokens, S sequences, Hq / Hkv heads, D head dim, B block size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ort_ops import reference
+from ort_ops._cuda import cuda_unavailable_reason
+from ort_ops.ops.paged_attention_int8 import build_paged_cache
+from tests.tolerances import (INT8_EXACT_ATOL, PA_CUDA_FLIP_BUDGET, PA_CUDA_FP16_OUT_RTOL,
+                              PA_CUDA_FLOAT_ATOL_REL, PA_CUDA_NONE_W_RTOL)
+
+pytestmark = pytest.mark.cuda
+
+_WHY = cuda_unavailable_reason()
+if _WHY is not None:
+    pytest.skip(f"CUDA kernels unavailable: {_WHY}", allow_module_level=True)
+
+import torch  # noqa: E402  (only after the skip: CI has no torch with CUDA)
+
+from ort_ops import _cuda  # noqa: E402
+
+
+def _dev(a):
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+# ---------------------------------------------------------------- QuantizeKVCache
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("d,b", [(64, 16), (128, 32), (256, 64), (96, 16)])
+def test_quantize_kv_cache_bit_exact(rng, dtype, d, b):
+    t, hkv, n = 37, 3, 9
+    key = (rng.standard_normal((t, hkv, d)) * rng.uniform(0.01, 30.0, (t, hkv, 1))).astype(dtype)
+    value = (rng.standard_normal((t, hkv, d)) * rng.uniform(0.01, 30.0, (t, hkv, 1))).astype(dtype)
+    key[3, 1] = 0  # amax 0: scale 0, codes 0
+    slots = rng.permutation(n * b)[:t].astype(np.int64)
+    slots[[5, 11]] = -1  # skipped tokens
+    kc = rng.integers(-127, 128, (n, hkv, b, d), dtype=np.int8)
+    vc = rng.integers(-127, 128, (n, hkv, d, b), dtype=np.int8)
+    ks = rng.uniform(0.5, 2, (n, hkv, b)).astype(np.float32)
+    vs = rng.uniform(0.5, 2, (n, hkv, b)).astype(np.float32)
+    want = reference.quantize_kv_cache(key, value, slots, kc, vc, ks, vs)
+    dev = [_dev(x) for x in (kc, vc, ks, vs)]
+    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(slots), *dev) == 0
+    for name, w, g in zip(("key_cache", "value_cache", "key_scale", "value_scale"), want, dev):
+        got = g.cpu().numpy()
+        # Codes compared as integers, scales bit for bit (INT8_EXACT_ATOL: nothing to tolerate).
+        diff = np.abs(got.astype(np.int64) - w) if w.dtype == np.int8 else \
+            np.abs(got.view(np.int32).astype(np.int64) - w.view(np.int32))
+        bad = np.argwhere(diff > INT8_EXACT_ATOL)
+        assert bad.size == 0, f"{name}: {len(bad)} mismatches, first at {bad[:3].tolist()}"
+
+
+def test_quantize_kv_cache_flags_bad_slots_and_nan(rng):
+    t, hkv, d, b, n = 4, 2, 64, 16, 2
+    key = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    value = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    caches = [np.zeros((n, hkv, b, d), np.int8), np.zeros((n, hkv, d, b), np.int8),
+              np.zeros((n, hkv, b), np.float32), np.zeros((n, hkv, b), np.float32)]
+    dev = [_dev(x) for x in caches]
+    slots = np.array([0, 1, n * b, 3], np.int64)  # n * b is one past the end
+    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(slots), *dev) & 1
+    # Slots 0, 1 and 3 were written; slot 2 (token 2's, out of range) and every other slot not.
+    written = np.zeros((n, hkv, b), bool)
+    written[0, :, [0, 1, 3]] = True
+    assert not dev[0].cpu().numpy()[~written].any() and not dev[2].cpu().numpy()[~written].any()
+    assert dev[2].cpu().numpy()[written].all()
+    value[2, 1, 5] = np.nan
+    dev = [_dev(x) for x in caches]
+    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(np.arange(t, dtype=np.int64)), *dev) == 2
+
+
+# ---------------------------------------------------------------- PagedAttentionInt8
+
+def _make_case(rng, lens, q_lens, hq, hkv, d, b, dtype, *, decode):
+    """Random K/V (per-token magnitudes vary) in a scattered paged cache plus queries."""
+    total = int(sum(lens))
+    cuk = np.concatenate([[0], np.cumsum(lens)])
+    key = (rng.standard_normal((total, hkv, d)) * rng.uniform(0.2, 3.0, (total, hkv, 1))).astype(np.float32)
+    value = (rng.standard_normal((total, hkv, d)) * rng.uniform(0.2, 3.0, (total, hkv, 1))).astype(np.float32)
+    cache = build_paged_cache(key, value, cuk, b, rng)
+    t = int(sum(q_lens))
+    query = (rng.standard_normal((t, hq, d)) * 2.0).astype(dtype)
+    cu = None if decode else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return query, cache, cu
+
+
+def _ref(query, cache, cu, **attrs):
+    args = (query, cache["key_cache"], cache["value_cache"], cache["key_scale"], cache["value_scale"],
+            cache["block_tables"], cache["seq_lens"], cu)
+    try:
+        out, step = reference.paged_attention_int8(*args, return_code_step=True, **attrs)
+    except TypeError:  # a reference without the code-step report: use the largest possible step
+        out = reference.paged_attention_int8(*args, **attrs)
+        step = np.full(out.shape[:2], np.float32(cache["value_scale"].max()), np.float32)
+    return out, step
+
+
+def _run(query, cache, cu, **kw):
+    args = [_dev(query)] + [_dev(cache[k]) for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                                     "block_tables", "seq_lens")]
+    args.append(None if cu is None else _dev(cu))
+    out = torch.full(query.shape, float("nan"), dtype=args[0].dtype, device="cuda")
+    return _cuda.paged_attention_int8(*args, out=out, **kw)
+
+
+def _check_close(got, want, step, cache, pv_quant, dtype, what=""):
+    got = got.astype(np.float64)
+    want64 = want.astype(np.float64)
+    assert np.all(np.isfinite(got)), f"{what}: {np.sum(~np.isfinite(got))} non-finite outputs (unwritten?)"
+    # Bound per (token, head): W-code flips (pv s8/u8) or fp16 W (pv none), float32 rounding,
+    # and the output's own fp16 rounding (see tests/tolerances.py).
+    if pv_quant == "none":
+        bound = PA_CUDA_NONE_W_RTOL * 127.0 * float(cache["value_scale"].max()) * np.ones(want.shape[:2])
+    else:
+        bound = PA_CUDA_FLIP_BUDGET * 128.0 * step.astype(np.float64)
+    bound = bound[:, :, None] + PA_CUDA_FLOAT_ATOL_REL * np.abs(want64).max()
+    if dtype == "float16":
+        bound = bound + PA_CUDA_FP16_OUT_RTOL * np.abs(want64)
+    err = np.abs(got - want64)
+    bad = np.argwhere(err > bound)
+    assert bad.size == 0, (f"{what}: {len(bad)} of {err.size} outside the bound; first {bad[:3].tolist()}, "
+                           f"max err {err.max():.3g}, bound there {bound[tuple(bad[0])]:.3g}")
+
+
+DECODE_CASES = [
+    # (seq lens, Hq, Hkv, D, B)
+    ([1, 7, 129, 1025], 8, 2, 128, 16),
+    ([300, 64, 513], 32, 8, 128, 32),
+    ([257, 33], 4, 4, 64, 64),
+    ([700, 5], 16, 2, 256, 16),
+    ([96, 2000], 32, 1, 128, 64),  # G = 32: two head tiles of 16 rows
+]
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"L{'-'.join(map(str, c[0]))}-h{c[1]}x{c[2]}-d{c[3]}-b{c[4]}")
+def test_decode_matches_reference(rng, case, pv_quant):
+    lens, hq, hkv, d, b = case
+    dtype = "float16" if rng.integers(2) else "float32"
+    query, cache, cu = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, dtype, decode=True)
+    want, step = _ref(query, cache, None, pv_quant=pv_quant)
+    for split in (0, 1, 3):
+        got, status = _run(query, cache, None, pv_quant=pv_quant, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype, f"{dtype} splits={split}")
+
+
+@pytest.mark.parametrize("partition_size", [32, 96, 512, 2048])
+def test_partition_size_changes_nothing_beyond_rounding(rng, partition_size):
+    query, cache, _ = _make_case(rng, [1111, 40], [1, 1], 8, 2, 128, 32, "float32", decode=True)
+    want, step = _ref(query, cache, None, partition_size=partition_size)
+    got, status = _run(query, cache, None, partition_size=partition_size)
+    assert status == 0
+    _check_close(got.cpu().numpy(), want, step, cache, "s8", "float32", f"P={partition_size}")
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("hq,hkv,d,b", [(8, 2, 128, 16), (4, 1, 64, 32), (6, 2, 256, 64), (1, 1, 128, 16)])
+def test_prefill_with_history_matches_reference(rng, hq, hkv, d, b, pv_quant):
+    q_lens = [7, 1, 40]
+    lens = [7 + 300, 1, 40 + 95]  # history of 300, none, 95
+    dtype = "float16" if rng.integers(2) else "float32"
+    query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, dtype, decode=False)
+    want, step = _ref(query, cache, cu, pv_quant=pv_quant)
+    for split in (0, 2):
+        got, status = _run(query, cache, cu, pv_quant=pv_quant, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype, f"prefill splits={split}")
+
+
+def test_close_to_exact_attention(rng):
+    """Sanity against float64 attention on the unquantized K/V (INT8 K, V, Q and W): the
+    relative L2 error stays at the INT8 level (a lost scale or a wrong group would not)."""
+    lens, hq, hkv, d = [2048, 999], 8, 2, 128
+    cuk = np.concatenate([[0], np.cumsum(lens)])
+    key = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    value = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    cache = build_paged_cache(key, value, cuk, 32, rng)
+    query = (rng.standard_normal((2, hq, d)) * 3).astype(np.float32)
+    exact = reference.exact_attention(query, key, value, cuk)
+    for pv in ("s8", "u8", "none"):
+        got, status = _run(query, cache, None, pv_quant=pv)
+        assert status == 0
+        rel = np.linalg.norm(got.cpu().numpy() - exact) / np.linalg.norm(exact)
+        assert rel < 0.05, f"pv {pv}: relative L2 {rel:.4f} vs exact attention"
+
+
+def test_bad_inputs_are_flagged_not_read(rng):
+    query, cache, _ = _make_case(rng, [100, 50], [1, 1], 4, 2, 64, 16, "float32", decode=True)
+    bad = dict(cache)
+    bad["block_tables"] = cache["block_tables"].copy()
+    bad["block_tables"][1, 2] = 10_000  # a block the context needs, out of range
+    assert _run(query, bad, None)[1] & 1
+    bad["block_tables"][1, 2] = -1
+    assert _run(query, bad, None)[1] & 1
+    bad = dict(cache, seq_lens=np.array([100, cache["block_tables"].shape[1] * 16 + 1], np.int32))
+    assert _run(query, bad, None)[1] & 2
+    q = query.copy()
+    q[0, 1, 3] = np.inf
+    assert _run(q, cache, None)[1] & 8
+    cu = np.array([0, 2, 1], np.int32)  # not rising to T
+    q2 = np.concatenate([query, query[:0]])
+    assert _run(q2, cache, cu)[1] & 4
+
+
+@pytest.mark.parametrize("d,b,msg", [(96, 16, "head_dim must be one of"), (64, 8, "block_size must be a multiple of 16")])
+def test_unsupported_configs_are_refused(rng, d, b, msg):
+    query, cache, _ = _make_case(rng, [20], [1], 2, 1, d, b, "float32", decode=True)
+    with pytest.raises(ValueError, match=msg):
+        _run(query, cache, None)
