@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
 _SUBCOMMANDS: list = []
 
 
+def _register_rewrite_verify(sub) -> None:
+    from ort_ops._commands import register
+
+    register(sub)
+
+
+_SUBCOMMANDS.append(_register_rewrite_verify)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

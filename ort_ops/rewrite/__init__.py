@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: MIT
+"""Graph rewrites: exported models -> models that run on the ort_ops INT8 ops.
+
+``rewrite_model`` (``ort_ops.rewrite(...)``) loads a model, runs the enabled fusions of
+``pipeline.FUSIONS`` and saves the result; ``ort-ops rewrite`` is its command line. This module
+stays import-light: the fusions load onnxscript/onnx_ir when they run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_model(path):
+    """An onnx_ir.Model from a path, or a one-line ValueError/FileNotFoundError naming the file."""
+    import onnx_ir as ir
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"model file '{path}' not found")
+    try:
+        return ir.load(str(p))
+    except Exception as e:  # noqa: BLE001 - any parse failure is "not an ONNX model" to the user
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"'{path}' is not a readable ONNX model ({first[:200]})") from None
+
+
+def save_model(model, path) -> None:
+    """Saves an onnx_ir.Model; weights go to ``<name>.data`` beside it when past ~1.8 GB
+    (protobuf's 2 GB limit), inline otherwise."""
+    import onnx_ir as ir
+
+    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if size > 1_800_000_000:
+        ir.save(model, str(path), external_data=f"{Path(path).name}.data")
+    else:
+        ir.save(model, str(path))
+
+
+def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
+                  attention: bool = True, moe: bool = True):
+    """Runs the fusions on a model.
+
+    Args:
+        model: a path or an onnx_ir.Model (changed in place).
+        output: where to save the result (None: not saved).
+        block_size: tokens per KV-cache block of paged models.
+        pv_quant: P.V quantization of PagedAttentionInt8 ("s8", "u8" or "none").
+        qk_quant: Q.K quantization ("s8" or "none").
+        attention, moe: which fusions run.
+
+    Returns:
+        (onnx_ir.Model, list of pipeline.FusionResult).
+    """
+    from ort_ops.rewrite.pipeline import RewriteOptions, run_fusions
+
+    if pv_quant not in ("s8", "u8", "none"):
+        raise ValueError(f"rewrite: pv_quant must be one of s8, u8, none, got '{pv_quant}'")
+    if qk_quant not in ("s8", "none"):
+        raise ValueError(f"rewrite: qk_quant must be one of s8, none, got '{qk_quant}'")
+    if block_size < 1 or block_size & (block_size - 1) or not 8 <= block_size <= 256:
+        raise ValueError(f"rewrite: block_size must be a power of two in 8..256, got {block_size}")
+    m = load_model(model) if isinstance(model, (str, Path)) else model
+    options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
+                             attention=attention, moe=moe)
+    results = run_fusions(m, options)
+    if output is not None:
+        save_model(m, output)
+    return m, results
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """``ort_ops.rewrite(...)`` calls ``rewrite_model`` while ``ort_ops.rewrite.<module>`` stays
+    the subpackage (a plain function of that name would shadow the submodules)."""
+
+    def __call__(self, *args, **kwargs):
+        return rewrite_model(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -45,6 +45,9 @@ FUSIONS: list[tuple[str, str, str]] = [
     # MoE first: it proves each block by running the model as exported (plain inputs), before
     # other fusions change the model's inputs.
     ("moe", "moe", "ort_ops.rewrite.moe:fuse_moe"),
+    # Attention after MoE: a KV-cache model becomes paged (inputs change), and its checks probe
+    # the model with the library registered when it already holds ort_ops nodes.
+    ("attention", "attention", "ort_ops.rewrite.paged_attention_int8:fuse_paged_attention_int8"),
 ]
 
 

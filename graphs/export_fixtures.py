@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: MIT
+"""Exports tiny random-weight decoders with the real exporters, as test fixtures.
+
+    python graphs/export_fixtures.py [--out tests/fixtures] [--only NAME ...]
+
+Needs torch 2.13 (CPU) and transformers 5.24 (the ``test-export`` extra); downloads nothing: the
+models are built from a config in code with random weights. Every fixture is a Llama-style decoder
+(2 layers, hidden 64, 2 query heads, 1 kv head (GQA), head_dim 64, vocab 256, tied embeddings), so
+each file stays near 0.5 MB. The weights are drawn with a larger spread than a trained model's
+(``initializer_range``) so that greedy decoding has clear winners, as a trained model's does: with
+the default 0.02 a random model's top two logits differ by ~1e-4 and any quantization (or a change
+of float summation order) flips tokens, which says nothing about the attention rewrite.
+
+Forms (name: exporter, what the attention looks like):
+    tx_sdpa_kv        transformers.exporters.OnnxExporter (torch.onnx dynamo), past_key_values:
+                      sqrt(scale) on Q and K^T, float mask, Where on fully-masked rows
+    tx_gqa_kv         the same with ort_fusions="cpu": com.microsoft GroupQueryAttention (packed
+                      QKV, do_rotary=1)
+    dynamo_sdpa_kv    torch.onnx.export(dynamo=True, opset 20), past as flat inputs
+    dynamo_eager      torch.onnx.export(dynamo=True, opset 20), attn_implementation="eager",
+                      prefill only (no cache): MatMul, Mul(scale), Add(mask), Softmax, MatMul
+    dynamo_attn23_kv  torch.onnx.export(dynamo=True, opset 23): the ONNX Attention op
+    torchscript_kv    torch.onnx.export(dynamo=False, opset 17), the legacy exporter optimum uses:
+                      past_key_values.{i}.key/value in, present.{i}.key/value out
+
+Each model's ``metadata_props`` records the form and the generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+NUM_LAYERS = 2
+HIDDEN = 64
+HEADS = 2
+KV_HEADS = 1
+HEAD_DIM = 64
+VOCAB = 256
+SEED = 1234
+
+FORMS = ("tx_sdpa_kv", "tx_gqa_kv", "dynamo_sdpa_kv", "dynamo_eager", "dynamo_attn23_kv", "torchscript_kv")
+
+
+def _config(attn_implementation: str = "sdpa"):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=HIDDEN, num_hidden_layers=NUM_LAYERS, num_attention_heads=HEADS,
+                      num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=128,
+                      vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False,
+                      initializer_range=0.25, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def _model(attn_implementation: str = "sdpa"):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    return LlamaForCausalLM(_config(attn_implementation)).eval()
+
+
+def _sample(with_past: bool, batch: int = 2, seq: int = 3, past: int = 4):
+    import torch
+
+    ids = torch.randint(3, VOCAB, (batch, seq))
+    p = past if with_past else 0
+    mask = torch.ones(batch, p + seq, dtype=torch.int64)
+    pos = torch.arange(p, p + seq).expand(batch, seq).contiguous()
+    kv = [(torch.randn(batch, KV_HEADS, p, HEAD_DIM), torch.randn(batch, KV_HEADS, p, HEAD_DIM))
+          for _ in range(NUM_LAYERS)] if with_past else []
+    return ids, mask, pos, kv
+
+
+class _FlatDecoder:
+    """A torch.nn.Module wrapper with flat tensor inputs/outputs (input_ids, attention_mask,
+    position_ids, past k/v per layer) -> (logits, present k/v per layer), so torch.onnx.export
+    sees plain tensors rather than a Cache object."""
+
+    def __new__(cls, model, with_past: bool):
+        import torch
+        from transformers import DynamicCache
+
+        class Flat(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids, attention_mask, position_ids, *past):
+                cache = None
+                if with_past:
+                    cache = DynamicCache(config=model.config)
+                    for i in range(NUM_LAYERS):
+                        cache.update(past[2 * i], past[2 * i + 1], i)
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=cache, use_cache=with_past)
+                if not with_past:
+                    return out.logits
+                flat = [out.logits]
+                for i in range(NUM_LAYERS):
+                    layer = out.past_key_values.layers[i]
+                    flat += [layer.keys, layer.values]
+                return tuple(flat)
+
+        return Flat()
+
+
+def _io_names(with_past: bool, past_fmt: str, present_fmt: str):
+    ins = ["input_ids", "attention_mask", "position_ids"]
+    outs = ["logits"]
+    if with_past:
+        for i in range(NUM_LAYERS):
+            ins += [past_fmt.format(i=i, kv="key"), past_fmt.format(i=i, kv="value")]
+            outs += [present_fmt.format(i=i, kv="key"), present_fmt.format(i=i, kv="value")]
+    return ins, outs
+
+
+def _export_torch(name: str, out: Path, *, dynamo: bool, opset: int, with_past: bool,
+                  attn_implementation: str = "sdpa"):
+    import torch
+
+    model = _model(attn_implementation)
+    ids, mask, pos, kv = _sample(with_past)
+    flat = _FlatDecoder(model, with_past)
+    args = (ids, mask, pos, *[t for pair in kv for t in pair])
+    ins, outs = _io_names(with_past, "past_key_values.{i}.{kv}", "present.{i}.{kv}")
+    if dynamo:
+        # Dim.AUTO lets torch.export find the relations (total = past + seq) itself.
+        auto = torch.export.Dim.AUTO
+        # forward(input_ids, attention_mask, position_ids, *past): *past is one (nested) argument.
+        shapes = [{0: auto, 1: auto}] * 3
+        if with_past:
+            shapes.append(tuple([{0: auto, 2: auto}] * (2 * NUM_LAYERS)))
+        prog = torch.onnx.export(flat, args, input_names=ins, output_names=outs, dynamo=True,
+                                 opset_version=opset, dynamic_shapes=tuple(shapes), optimize=True)
+        prog.save(str(out), external_data=False)
+    else:
+        axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
+                "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+        for n in ins[3:]:
+            axes[n] = {0: "batch", 2: "past"}
+        for n in outs[1:]:
+            axes[n] = {0: "batch", 2: "total"}
+        torch.onnx.export(flat, args, str(out), input_names=ins, output_names=outs, dynamo=False,
+                          opset_version=opset, dynamic_axes=axes)
+
+
+def _export_transformers(name: str, out: Path, *, ort_fusions: str | None):
+    import onnx_ir as ir
+    import torch
+    from transformers import DynamicCache
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    model = _model("sdpa")
+    ids, mask, pos, kv = _sample(True)
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    inputs = dict(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    exported = OnnxExporter().export(model, inputs, config=OnnxConfig(dynamic=True, ort_fusions=ort_fusions))
+    proto = ir.to_proto(exported.program)
+    import onnx
+
+    onnx.save(proto, str(out))
+    del torch
+
+
+def export(name: str, out_dir: Path) -> Path:
+    import onnx
+
+    out = out_dir / f"{name}.onnx"
+    if name == "tx_sdpa_kv":
+        _export_transformers(name, out, ort_fusions=None)
+    elif name == "tx_gqa_kv":
+        _export_transformers(name, out, ort_fusions="cpu")
+    elif name == "dynamo_sdpa_kv":
+        _export_torch(name, out, dynamo=True, opset=20, with_past=True)
+    elif name == "dynamo_eager":
+        _export_torch(name, out, dynamo=True, opset=20, with_past=False, attn_implementation="eager")
+    elif name == "dynamo_attn23_kv":
+        _export_torch(name, out, dynamo=True, opset=23, with_past=True)
+    elif name == "torchscript_kv":
+        _export_torch(name, out, dynamo=False, opset=17, with_past=True)
+    else:
+        raise ValueError(f"export_fixtures: unknown form '{name}', expected one of {FORMS}")
+    m = onnx.load(str(out))
+    onnx.helper.set_model_props(m, {"ort_ops.fixture_form": name,
+                                    "ort_ops.generated_by": "graphs/export_fixtures.py",
+                                    "ort_ops.eos_token_id": "2"})
+    onnx.save(m, str(out))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"))
+    ap.add_argument("--only", nargs="*", choices=FORMS)
+    args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name in args.only or FORMS:
+        t = time.time()
+        try:
+            path = export(name, out_dir)
+            print(f"{name}: {path} ({path.stat().st_size / 1e6:.2f} MB, {time.time() - t:.0f} s)")
+        except Exception as e:  # report every form, then fail
+            failed.append(name)
+            print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                  file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

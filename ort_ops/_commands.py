@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: MIT
+"""``ort-ops rewrite`` and ``ort-ops verify`` (registered into ``ort_ops.cli._SUBCOMMANDS``).
+
+Errors are ValueError/FileNotFoundError with a one-line message; ``cli.main`` prints it and
+exits 2. ``verify`` exits 1 when the rewritten model fails the check (agreement below
+``--min-agreement``, or a length/EOS mismatch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, help_: str) -> None:
+    p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
+                   default=True, help=help_)
+
+
+def _cmd_rewrite(args: argparse.Namespace) -> int:
+    from ort_ops.rewrite import load_model, rewrite_model, save_model
+
+    t0 = time.time()
+    _status(args, f"reading {args.input}")
+    model = load_model(args.input)
+    _status(args, "rewriting")
+    model, results = rewrite_model(model, None, block_size=args.block_size, pv_quant=args.pv_quant,
+                                   qk_quant=args.qk_quant, attention=args.attention, moe=args.moe)
+    _status(args, f"writing {args.output}")
+    save_model(model, args.output)
+    report = {
+        "input": args.input,
+        "output": args.output,
+        "fused": {r.kind: r.fused for r in results},
+        "declined": {r.kind: len(r.declined) for r in results},
+        "results": [{"kind": r.kind, "fused": r.fused, "details": r.details,
+                     "declined": [{"where": d.where, "reason": d.reason} for d in r.declined]}
+                    for r in results],
+        "seconds": round(time.time() - t0, 2),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(f"rewrote {args.input} -> {args.output} in {report['seconds']} s")
+    if not results:
+        print("  no fusion enabled")
+    for r in results:
+        extra = ""
+        if r.details.get("forms"):
+            extra = " (" + ", ".join(f"{k}: {v}" for k, v in r.details["forms"].items()) + ")"
+        if r.details.get("interface"):
+            extra += f", interface: {r.details['interface']}"
+        print(f"  {r.kind}: {r.fused} block(s) fused{extra}")
+        for d in r.declined:
+            print(f"    declined {d.where}: {d.reason}")
+    return 0
+
+
+def _status(args, msg: str) -> None:
+    if not getattr(args, "quiet", False):
+        print(f"ort-ops: {msg}...", file=sys.stderr, flush=True)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from ort_ops.rewrite import load_model
+    from ort_ops.verify import verify
+
+    for path in (args.original, args.rewritten):  # one-line error before any work
+        load_model(path)
+    prompts = None
+    if args.prompt:
+        prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
+    _status(args, "generating with the original (stock onnxruntime) and the rewritten model")
+    report = verify(args.original, args.rewritten, prompts=prompts, max_new_tokens=args.max_new_tokens,
+                    eos_token_id=args.eos_token_id, seed=args.seed,
+                    progress=False if (args.json or args.quiet) else None)
+    o = report["overall"]
+    ok = o["token_agreement"] >= args.min_agreement and o["length_match"] and o["eos_match"]
+    report["passed"] = ok
+    report["min_agreement"] = args.min_agreement
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"verify {args.rewritten} ({report['rewritten_interface']}) against {args.original}")
+        print(f"  {'prompt':>6} {'agree':>6} {'logit err':>9} {'len o/r':>8} {'eos':>4}")
+        for i, p in enumerate(report["prompts"]):
+            print(f"  {i:>6} {p['token_agreement']:>6.3f} {p['logits_max_abs_err']:>9.4f} "
+                  f"{len(p['tokens_original']):>3}/{len(p['tokens_rewritten']):<4} "
+                  f"{'ok' if p['eos_match'] else 'DIFF':>4}")
+        print(f"  overall: token_agreement {o['token_agreement']:.3f}, logits_max_abs_err "
+              f"{o['logits_max_abs_err']:.4f}, length_match {o['length_match']}, eos_match {o['eos_match']}")
+        print(f"  {'PASS' if ok else 'FAIL'} (token_agreement >= {args.min_agreement}, lengths and EOS match)")
+    return 0 if ok else 1
+
+
+def register(sub) -> None:
+    """Adds ``rewrite`` and ``verify`` to the ``ort-ops`` subparsers."""
+    rw = sub.add_parser("rewrite", help="replace attention (and MoE) of an exported model by the INT8 ops")
+    rw.add_argument("input", help="exported ONNX model")
+    rw.add_argument("output", help="where to write the rewritten model")
+    rw.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens), default 16")
+    rw.add_argument("--pv-quant", choices=("s8", "u8", "none"), default="s8",
+                    help="P.V quantization of PagedAttentionInt8 (default s8)")
+    rw.add_argument("--qk-quant", choices=("s8", "none"), default="s8", help="Q.K quantization (default s8)")
+    _bool_flag(rw, "attention", "run the attention fusion (default on)")
+    _bool_flag(rw, "moe", "run the MoE fusion (default on)")
+    rw.add_argument("--json", action="store_true", help="machine-readable report")
+    rw.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    rw.set_defaults(func=_cmd_rewrite)
+
+    vf = sub.add_parser("verify", help="greedy-decode the original and the rewritten model, compare")
+    vf.add_argument("original", help="the exported model (run on stock onnxruntime, fp32)")
+    vf.add_argument("rewritten", help="the output of `ort-ops rewrite`")
+    vf.add_argument("--max-new-tokens", type=int, default=32)
+    vf.add_argument("--eos-token-id", type=int, default=None,
+                    help="stop token (default: the model's ort_ops.eos_token_id metadata, if any)")
+    vf.add_argument("--prompt", action="append", help="comma-separated token ids (repeatable); "
+                    "default: 4 random prompts of lengths 5, 11, 17, 23")
+    vf.add_argument("--seed", type=int, default=0, help="seed of the default prompts")
+    vf.add_argument("--min-agreement", type=float, default=0.95,
+                    help="token agreement below this fails the check (exit 1), default 0.95")
+    vf.add_argument("--json", action="store_true", help="machine-readable report")
+    vf.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    vf.set_defaults(func=_cmd_verify)

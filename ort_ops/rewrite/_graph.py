@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: MIT
+"""onnx_ir helpers the fusions share: constants, producers, probing values by running the model.
+
+The probe answers questions a pattern cannot: "is this mask causal (and key-padding)?" is decided
+by running the original model (stock onnxruntime, no custom ops) on a small batch with left
+padding and reading the mask tensors it actually computes, whatever plumbing built them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value as a numpy array when it is a constant (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        attr = node.attributes.get("value")
+        if attr is not None:
+            return attr.as_tensor().numpy()
+        for name in ("value_float", "value_int"):
+            if name in node.attributes:
+                return np.array(node.attributes[name].value)
+        for name in ("value_floats", "value_ints"):
+            if name in node.attributes:
+                return np.array(node.attributes[name].value)
+    return None
+
+
+def const_scalar(value: ir.Value | None) -> float | None:
+    """A constant with exactly one element, as a Python float; else None."""
+    arr = const_array(value)
+    if arr is None or arr.size != 1:
+        return None
+    return float(arr.reshape(()))
+
+
+def producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    """The node producing ``value`` if it is ``op_type`` in ``domain``."""
+    if value is None:
+        return None
+    node = value.producer()
+    if node is None or node.op_type != op_type or node.domain not in ({domain, "ai.onnx"} if domain == "" else {domain}):
+        return None
+    return node
+
+
+def attr_int(node: ir.Node, name: str, default: int | None = None) -> int | None:
+    a = node.attributes.get(name)
+    return default if a is None else int(a.value)
+
+
+def attr_ints(node: ir.Node, name: str) -> list[int] | None:
+    a = node.attributes.get(name)
+    return None if a is None else [int(x) for x in a.value]
+
+
+def dim(value: ir.Value, axis: int) -> int | None:
+    """A static dimension of ``value``'s shape, or None when unknown or symbolic."""
+    if value.shape is None or axis >= value.shape.rank() or -axis > value.shape.rank():
+        return None
+    return _static(value.shape[axis])
+
+
+def _static(d) -> int | None:
+    """A dimension as an int: ints, and symbolic names that are digits (some exporters write "64")."""
+    if isinstance(d, int):
+        return d
+    text = str(d)
+    return int(text) if text.isdigit() else None
+
+
+def rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else value.shape.rank()
+
+
+def depends_on(value: ir.Value, targets: set[ir.Value], limit: int = 100000) -> set[ir.Value]:
+    """Which of ``targets`` (graph inputs) ``value`` is computed from."""
+    found: set[ir.Value] = set()
+    seen: set[int] = set()
+    stack = [value]
+    while stack and limit > 0:
+        limit -= 1
+        v = stack.pop()
+        if v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v in targets:
+            found.add(v)
+        node = v.producer()
+        if node is not None:
+            stack.extend(i for i in node.inputs if i is not None)
+    return found
+
+
+def node_names(nodes: Iterable[ir.Node]) -> str:
+    return ", ".join(n.name or n.op_type for n in nodes)
+
+
+# --- probing -------------------------------------------------------------------------------------
+
+PROBE_BATCH = 2
+# Long enough that a short sliding window (< PROBE_PAST + PROBE_SEQ keys) shows in the mask;
+# a window longer than the probe cannot be seen this way (README: limitations).
+PROBE_SEQ = 6
+PROBE_PAST = 6
+
+
+def probe_feeds(model: ir.Model, past_inputs: Sequence[ir.Value], b: int = PROBE_BATCH, s: int = PROBE_SEQ,
+                past: int = PROBE_PAST) -> tuple[dict, np.ndarray] | None:
+    """Small feeds for a decoder graph: batch ``b`` with row 0 left-padded by one token, ``s`` new
+    tokens, ``past`` past tokens when the model has a cache. Returns (feeds, attention_mask
+    [B, P+S]) or None when an input is not one a decoder has (then nothing can be probed)."""
+    past = past if past_inputs else 0
+    mask = np.ones((b, past + s), np.int64)
+    mask[0, 0] = 0
+    feeds = {}
+    for inp in model.graph.inputs:
+        name = inp.name
+        dtype = inp.dtype.numpy() if inp.dtype is not None else np.float32
+        if name == "input_ids" or name.endswith("input_ids"):
+            feeds[name] = (np.arange(b * s, dtype=np.int64).reshape(b, s) % 7 + 3).astype(dtype)
+        elif "attention_mask" in name:
+            feeds[name] = mask.astype(dtype)
+        elif "position_ids" in name:
+            pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, past:]
+            feeds[name] = pos.astype(dtype)
+        elif inp in past_inputs:
+            shape = [_static(d) for d in inp.shape] if inp.shape is not None else []
+            if len(shape) != 4 or shape[1] is None or shape[3] is None:
+                return None
+            rng = np.random.default_rng(0)
+            feeds[name] = rng.standard_normal((b, shape[1], past, shape[3])).astype(dtype)
+        else:
+            return None
+    return feeds, mask
+
+
+def all_node_outputs(model: ir.Model) -> list[ir.Value]:
+    """Every non-constant node output of the main graph (probed for shapes the graph leaves symbolic)."""
+    return [o for n in model.graph if n.op_type != "Constant" for o in n.outputs if o is not None and o.name]
+
+
+def run_probe(model: ir.Model, values: Sequence[ir.Value], feeds: dict) -> dict[str, np.ndarray]:
+    """Runs ``model`` (unchanged; a copy with ``values`` as extra outputs) on stock onnxruntime."""
+    import onnxruntime as ort
+
+    proto = ir.serde.serialize_model(model)
+    present = {o.name for o in proto.graph.output}
+    import onnx
+
+    for v in values:
+        if v.name not in present:
+            proto.graph.output.append(onnx.ValueInfoProto(name=v.name))
+            present.add(v.name)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    from ort_ops._domain import DOMAIN
+
+    if any(o.domain == DOMAIN for o in proto.opset_import):  # e.g. MoE already fused
+        from ort_ops._lib import session_options
+
+        session_options(so)
+    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [v.name for v in values]
+    outs = sess.run(names, feeds)
+    return dict(zip(names, outs))
+
+
+def expected_visible(mask: np.ndarray, past: int, seq: int, padding: bool) -> np.ndarray:
+    """allowed[b, i, j]: query i (position past + i) may see key j: causal, and (``padding``) not a pad."""
+    total = past + seq
+    i = np.arange(seq)[:, None] + past
+    j = np.arange(total)[None, :]
+    causal = np.broadcast_to(j <= i, (mask.shape[0], seq, total))
+    if padding:
+        return causal & (mask[:, None, :] > 0)
+    return causal.copy()
+
+
+def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int) -> str | None:
+    """Compares an additive mask (probe output, broadcastable to [B, H, S, P+S]) with causal and
+    causal+key-padding on the rows of real (non-pad) queries. Returns "causal+padding",
+    "causal" or None (something else: a window, bidirectional, a bias)."""
+    b = mask.shape[0]
+    total = past + seq
+    try:
+        full = np.broadcast_to(m, (b, m.shape[1] if m.ndim == 4 else 1, seq, total)).astype(np.float64)
+    except ValueError:
+        return None
+    real_q = mask[:, past:] > 0  # [B, S]
+    for padding, label in ((True, "causal+padding"), (False, "causal")):
+        vis = expected_visible(mask, past, seq, padding)  # [B, S, T]
+        ok = True
+        for bb in range(b):
+            for ii in range(seq):
+                if not real_q[bb, ii]:
+                    continue
+                row = full[bb, :, ii, :]
+                if not (np.all(row[:, vis[bb, ii]] == 0) and np.all(row[:, ~vis[bb, ii]] <= -1e4)):
+                    ok = False
+                    break
+            if not ok:
+                break
+        if ok:
+            return label
+    return None

@@ -1,0 +1,856 @@
+# SPDX-License-Identifier: MIT
+"""Replaces the attention of exported decoders by ``QuantizeKVCache`` + ``PagedAttentionInt8``.
+
+Alphabet: B batch, S new tokens, P past tokens, T packed tokens (all sequences, no padding),
+Hq / Hkv query / kv heads, D head_dim, N cache blocks, Bs block size, M blocks per sequence.
+
+Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py`` builds them):
+
+* MatMul form (torch.onnx dynamo sdpa/eager, the legacy TorchScript exporter, optimum,
+  transformers' OnnxExporter): ``MatMul(q*c, K^T*c) [*|/ c] [+ mask] -> Softmax -> [Where(IsNaN)]
+  -> MatMul(., V)``, K/V through repeat_kv (Unsqueeze, Expand, Reshape) and ``Concat(past, new)``.
+  An onnxscript rewrite rule (pattern + check + rewrite) matches the core; the operand plumbing
+  (scalar scales, K transposes, repeat_kv, the past Concat) is decoded by helpers shared by
+  ``check`` and ``rewrite``.
+* The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph.
+
+What a match checks: softmax over the key axis, a mask that is causal (and key-padding) -- decided
+by running the original graph on a left-padded probe batch, see ``_graph.py`` -- head counts
+(Hq % Hkv == 0), a supported head_dim (64, 80, 96, 128, 256) and scalar scales. Anything else is
+declined with a reason and stays as it was.
+
+Rewritten interfaces:
+
+* KV-cache models (past in, present out) become *paged*: tokens are packed as one batch row
+  (``input_ids``/``position_ids`` [1, T]); inputs ``slot_mapping`` int64 [T], ``block_tables``
+  int32 [S, M], ``seq_lens`` int32 [S], ``cu_seqlens_q`` int32 [S+1] and per layer i
+  ``kv_cache.{i}.key`` int8 [N, Hkv, Bs, D], ``kv_cache.{i}.value`` int8 [N, Hkv, D, Bs],
+  ``kv_cache.{i}.key_scale`` / ``.value_scale`` float32 [N, Hkv, Bs]; outputs ``logits`` and
+  ``kv_cache_out.{i}.*`` (the runtime binds each to its input's buffer). ``attention_mask`` and
+  past/present disappear. The model's ``metadata_props["ort_ops.paged"]`` describes it (JSON).
+  KV conversion is all-or-nothing: if any layer declines, the model is left unchanged.
+* Prefill-only models keep their interface: K/V are quantized into a cache built inside the graph
+  (one run), the attention_mask's real tokens are packed (NonZero) so padding is honoured, and the
+  output is scattered back to [B, Hq, S, D] (zeros on pad rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter._basics import MatchFailureError
+
+from ort_ops._domain import DOMAIN, OPSET_VERSION
+from ort_ops.rewrite import _graph as g
+from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+PAGED_META_KEY = "ort_ops.paged"
+
+# Names of the paged model's inputs and outputs (README "Rewritten model interface").
+SLOT_MAPPING = "slot_mapping"
+BLOCK_TABLES = "block_tables"
+SEQ_LENS = "seq_lens"
+CU_SEQLENS_Q = "cu_seqlens_q"
+CACHE_PARTS = ("key", "value", "key_scale", "value_scale")
+
+
+def cache_input_name(layer: int, part: str) -> str:
+    return f"kv_cache.{layer}.{part}"
+
+
+def cache_output_name(layer: int, part: str) -> str:
+    return f"kv_cache_out.{layer}.{part}"
+
+
+@dataclasses.dataclass
+class _Ctx:
+    """What one fusion run knows about the model (filled before the rules run)."""
+
+    model: ir.Model
+    options: RewriteOptions
+    paged: bool
+    past_layer: dict  # past K or V graph input -> (layer index, "key" | "value")
+    probes: dict  # value name -> probe array
+    probes2: dict  # the same values on a second probe of other sizes (what does not change is structural)
+    probe_mask: np.ndarray | None
+    probe_past: int
+    probe_error: str | None
+    shared: dict = dataclasses.field(default_factory=dict)
+    cache_out: dict = dataclasses.field(default_factory=dict)  # layer -> 4 output values
+    outputs_made: set = dataclasses.field(default_factory=set)  # ids of attention outputs we emit
+    declines: dict = dataclasses.field(default_factory=dict)  # where -> reason
+    forms: dict = dataclasses.field(default_factory=dict)
+    layer_dims: dict = dataclasses.field(default_factory=dict)  # layer -> (Hkv, D)
+
+
+@dataclasses.dataclass
+class _Attn:
+    """A decoded attention block, the same for every form."""
+
+    q_BHSD: ir.Value
+    k_new_BHSD: ir.Value
+    v_new_BHSD: ir.Value
+    past_k: ir.Value | None
+    past_v: ir.Value | None
+    hq: int
+    hkv: int
+    d: int
+    scale: float
+    mask_kind: str  # "causal+padding" | "causal"
+
+
+# --- decoding the operands -----------------------------------------------------------------------
+
+
+def _strip_scalar_scale(v: ir.Value) -> tuple[ir.Value, float]:
+    """x*c or x/c with a constant scalar c -> (x, factor); anything else -> (v, 1)."""
+    factor = 1.0
+    for _ in range(2):
+        node = v.producer()
+        if node is None or node.op_type not in ("Mul", "Div") or node.domain not in ("", "ai.onnx"):
+            break
+        a, b = node.inputs[0], node.inputs[1]
+        cb, ca = g.const_scalar(b), g.const_scalar(a)
+        if cb is not None:
+            factor *= cb if node.op_type == "Mul" else 1.0 / cb
+            v = a
+        elif ca is not None and node.op_type == "Mul":
+            factor *= ca
+            v = b
+        else:
+            break
+    return v, factor
+
+
+def _untranspose_key(kt: ir.Value) -> ir.Value:
+    """K^T [B, H, D, Skv] -> K [B, H, Skv, D]: Transpose(perm 0,1,3,2) or the 3-D
+    Reshape -> Transpose(0,2,1) -> Reshape the dynamo exporter writes."""
+    node = g.producer(kt, "Transpose")
+    if node is not None:
+        perm = g.attr_ints(node, "perm")
+        if perm == [0, 1, 3, 2]:
+            return node.inputs[0]
+        raise MatchFailureError(f"key transpose perm {perm} is not [0, 1, 3, 2] (layout BSHD is not supported)")
+    node = g.producer(kt, "Reshape")
+    t = g.producer(node.inputs[0], "Transpose") if node is not None else None
+    inner = g.producer(t.inputs[0], "Reshape") if t is not None else None
+    if inner is not None and g.attr_ints(t, "perm") == [0, 2, 1]:
+        k = inner.inputs[0]
+        if g.rank(k) == 4:
+            return k
+    raise MatchFailureError("the key operand is not a transposed key (K^T) the rewrite knows")
+
+
+def _strip_repeat_kv(v: ir.Value) -> ir.Value:
+    """repeat_kv: Reshape(Expand(Unsqueeze(x, 2), [B, Hkv, n, S, D]), [B, Hkv*n, S, D]) -> x."""
+    r = g.producer(v, "Reshape")
+    e = g.producer(r.inputs[0], "Expand") if r is not None else None
+    u = g.producer(e.inputs[0], "Unsqueeze") if e is not None else None
+    if u is None:
+        return v
+    axes = g.const_array(u.inputs[1]) if len(u.inputs) > 1 else None
+    if axes is None and "axes" in u.attributes:
+        axes = np.array(g.attr_ints(u, "axes"))
+    if axes is None or [int(a) for a in np.ravel(axes)] not in ([2], [-3]):
+        raise MatchFailureError("repeat_kv Unsqueeze is not on axis 2")
+    return u.inputs[0]
+
+
+def _skip_copies(v: ir.Value) -> ir.Value:
+    """Through Identity and one-input Concat (the TorchScript exporter's copy of the past)."""
+    while True:
+        node = v.producer()
+        if node is None or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
+            return v
+        if node.op_type not in ("Identity", "Concat"):
+            return v
+        v = node.inputs[0]
+
+
+def _split_past(v: ir.Value, ctx: _Ctx) -> tuple[ir.Value | None, ir.Value]:
+    """Concat(past, new, axis=2) -> (past graph input, new); anything else -> (None, v)."""
+    node = g.producer(v, "Concat")
+    if node is None:
+        return None, v
+    axis = g.attr_int(node, "axis")
+    if axis not in (2, -2) or len(node.inputs) != 2:
+        raise MatchFailureError(f"past/new Concat on axis {axis}, expected 2")
+    past, new = _skip_copies(node.inputs[0]), node.inputs[1]
+    if past not in ctx.past_layer:
+        raise MatchFailureError(f"the concatenated past '{past.name}' is not a graph input")
+    return past, new
+
+
+def _dim(ctx: _Ctx, v: ir.Value, axis: int) -> int | None:
+    """A static dim from the graph, else from the probe run (head counts and head_dim do not
+    depend on the probe's batch or length, so the probe's value is the model's)."""
+    d = g.dim(v, axis)
+    if d is None and v.name in ctx.probes:
+        shape = ctx.probes[v.name].shape
+        d = shape[axis] if -len(shape) <= axis < len(shape) else None
+    return d
+
+
+def _rank(ctx: _Ctx, v: ir.Value) -> int | None:
+    r = g.rank(v)
+    if r is None and v.name in ctx.probes:
+        r = ctx.probes[v.name].ndim
+    return r
+
+
+def _check_dims(ctx: _Ctx, q: ir.Value, k_new: ir.Value, v_new: ir.Value) -> tuple[int, int, int]:
+    for name, val in (("query", q), ("key", k_new), ("value", v_new)):
+        if _rank(ctx, val) != 4:
+            raise MatchFailureError(f"{name} must have rank 4 [B, H, S, D], got rank {_rank(ctx, val)}")
+    hq, d, hkv = _dim(ctx, q, 1), _dim(ctx, q, 3), _dim(ctx, k_new, 1)
+    if None in (hq, d, hkv):
+        raise MatchFailureError(f"head counts/head_dim are not static (Hq={hq}, Hkv={hkv}, D={d})")
+    if _dim(ctx, v_new, 1) not in (None, hkv) or _dim(ctx, v_new, 3) not in (None, d) or \
+            _dim(ctx, k_new, 3) not in (None, d):
+        raise MatchFailureError("key/value head counts or head_dim differ")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise MatchFailureError(f"head_dim must be one of {{{', '.join(map(str, SUPPORTED_HEAD_DIMS))}}}, got {d}")
+    if hq % hkv:
+        raise MatchFailureError(f"query heads ({hq}) are not a multiple of kv heads ({hkv})")
+    return hq, hkv, d
+
+
+def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> str:
+    if mask is None:
+        if causal_attr:
+            return "causal"
+        raise MatchFailureError("no attention mask: the attention is not causal")
+    if ctx.probe_error:
+        raise MatchFailureError(f"cannot check the mask: {ctx.probe_error}")
+    arr = ctx.probes.get(mask.name)
+    if arr is None:
+        raise MatchFailureError(f"cannot check the mask '{mask.name}': not probed")
+    if arr.dtype == np.bool_:
+        arr = np.where(arr, 0.0, -np.inf)  # a boolean attn_mask: True = may attend
+    kind = g.classify_additive_mask(arr, ctx.probe_mask, ctx.probe_past, g.PROBE_SEQ)
+    if kind is None:
+        raise MatchFailureError("the mask is not causal (and key-padding): a window, bias or "
+                                "bidirectional mask the paged op cannot express")
+    if causal_attr:
+        raise MatchFailureError("is_causal together with a mask is not supported")
+    return kind
+
+
+def _decode_matmul_form(ctx: _Ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill,
+                        probs) -> _Attn:
+    sm = probs.producer()
+    axis = g.attr_int(sm, "axis", -1)
+    r = g.rank(probs)
+    if not (axis == -1 or (r is not None and axis == r - 1)):
+        raise MatchFailureError(f"Softmax over axis {axis}, not the key axis (-1)")
+    if nan_fill is not None and g.const_scalar(nan_fill) != 0.0:
+        raise MatchFailureError("Where(IsNaN(P), c, P) with c != 0")
+    q, sq = _strip_scalar_scale(query)
+    kt, sk = _strip_scalar_scale(key_t)
+    sqk = 1.0
+    if qk_scaling in ("Mul", "Div"):
+        c = g.const_scalar(qk_scale)
+        if c is None:
+            raise MatchFailureError("the score scale is not a constant scalar")
+        sqk = c if qk_scaling == "Mul" else 1.0 / c
+    k_full = _untranspose_key(kt)
+    past_k, k_new = _split_past(_strip_repeat_kv(k_full), ctx)
+    past_v, v_new = _split_past(_strip_repeat_kv(value), ctx)
+    if ctx.paged:
+        if past_k is None or past_v is None:
+            raise MatchFailureError("KV-cache model, but this attention does not read a past key and value")
+        if ctx.past_layer[past_k][0] != ctx.past_layer[past_v][0]:
+            raise MatchFailureError("key and value come from different layers' past")
+    elif past_k is not None or past_v is not None:
+        raise MatchFailureError("past concatenated in a model without a cache interface")
+    hq, hkv, d = _check_dims(ctx, q, k_new, v_new)
+    kind = _mask_kind(mask, ctx)
+    return _Attn(q, k_new, v_new, past_k, past_v, hq, hkv, d, sq * sk * sqk, kind)
+
+
+# --- emitting the replacement -------------------------------------------------------------------
+
+
+def _ints(op, values: list[int]):
+    return op.Constant(value=ir.tensor(np.array(values, np.int64)))
+
+
+def _prefill_plumbing(op, ctx: _Ctx, q_BHSD: ir.Value, use_padding: bool) -> dict:
+    """Index tensors shared by every layer of a prefill graph (built once, on the first match)."""
+    key = ("prefill", use_padding)
+    if key in ctx.shared:
+        return ctx.shared[key]
+    bs = ctx.options.block_size
+    shape = op.Shape(q_BHSD)
+    b = op.Slice(shape, _ints(op, [0]), _ints(op, [1]))
+    s = op.Slice(shape, _ints(op, [2]), _ints(op, [3]))
+    am_input = ctx.shared.get("attention_mask") if use_padding else None
+    if am_input is not None:
+        am = op.Cast(am_input, to=ir.DataType.INT64)
+    else:
+        am = op.ConstantOfShape(op.Concat(b, s, axis=0), value=ir.tensor(np.array([1], np.int64)))
+    # Real tokens, packed: row-major positions of attention_mask == 1.
+    idx = op.Reshape(op.NonZero(op.Reshape(am, _ints(op, [-1]))), _ints(op, [-1]))
+    seq_lens64 = op.ReduceSum(am, _ints(op, [1]), keepdims=0)
+    seq_lens = op.Cast(seq_lens64, to=ir.DataType.INT32)
+    cu = op.Concat(op.Constant(value=ir.tensor(np.array([0], np.int32))),
+                   op.Cast(op.CumSum(seq_lens64, _ints(op, [0])), to=ir.DataType.INT32), axis=0)
+    # Row b owns blocks [b*nblk, (b+1)*nblk); its r-th real token goes to slot b*nblk*Bs + r.
+    nblk = op.Div(op.Add(s, _ints(op, [bs - 1])), _ints(op, [bs]))
+    rows = op.Range(op.Constant(value=ir.tensor(np.array(0, np.int64))), op.Squeeze(b, _ints(op, [0])),
+                    op.Constant(value=ir.tensor(np.array(1, np.int64))))
+    row_base = op.Unsqueeze(op.Mul(rows, op.Mul(nblk, _ints(op, [bs]))), _ints(op, [1]))
+    rank_in_row = op.Sub(op.CumSum(am, _ints(op, [1])), _ints(op, [1]))
+    slots = op.Gather(op.Reshape(op.Add(row_base, rank_in_row), _ints(op, [-1])), idx, axis=0)
+    blocks = op.Range(op.Constant(value=ir.tensor(np.array(0, np.int64))), op.Squeeze(nblk, _ints(op, [0])),
+                      op.Constant(value=ir.tensor(np.array(1, np.int64))))
+    tables = op.Cast(op.Add(op.Unsqueeze(op.Mul(rows, nblk), _ints(op, [1])),
+                            op.Unsqueeze(blocks, _ints(op, [0]))), to=ir.DataType.INT32)
+    num_blocks = op.Mul(b, nblk)
+    out = dict(idx=idx, idx2=op.Unsqueeze(idx, _ints(op, [1])), seq_lens=seq_lens, cu=cu,
+               slots=slots, tables=tables, num_blocks=num_blocks)
+    ctx.shared[key] = out
+    return out
+
+
+def _emit(op, ctx: _Ctx, a: _Attn):
+    """QuantizeKVCache + PagedAttentionInt8 for one decoded block; returns the [B, Hq, S, D] output."""
+    opts = ctx.options
+    to_THD = lambda x, h: op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), _ints(op, [-1, h, a.d]))  # noqa: E731
+    q_THD, k_THD, v_THD = to_THD(a.q_BHSD, a.hq), to_THD(a.k_new_BHSD, a.hkv), to_THD(a.v_new_BHSD, a.hkv)
+    attrs = dict(qk_quant=opts.qk_quant, pv_quant=opts.pv_quant)
+    if not math.isclose(a.scale, 1.0 / math.sqrt(a.d), rel_tol=1e-6):
+        attrs["scale"] = float(a.scale)
+    if ctx.paged:
+        layer = ctx.past_layer[a.past_k][0]
+        caches = [ctx.shared["cache_in"][(layer, p)] for p in CACHE_PARTS]
+        outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
+        ctx.cache_out[layer] = outs
+        ctx.layer_dims[layer] = (a.hkv, a.d)
+        o_THD = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
+                                      ctx.shared[CU_SEQLENS_Q], _domain=DOMAIN, **attrs)
+        o = op.Transpose(op.Reshape(o_THD, _ints(op, [1, -1, a.hq, a.d])), perm=[0, 2, 1, 3])
+    else:
+        p = _prefill_plumbing(op, ctx, a.q_BHSD, a.mask_kind == "causal+padding")
+        bs = opts.block_size
+        nb = p["num_blocks"]
+        zeros = lambda shape, dt: op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, dt)))  # noqa: E731
+        kc = zeros(op.Concat(nb, _ints(op, [a.hkv, bs, a.d]), axis=0), np.int8)
+        vc = zeros(op.Concat(nb, _ints(op, [a.hkv, a.d, bs]), axis=0), np.int8)
+        ks = zeros(op.Concat(nb, _ints(op, [a.hkv, bs]), axis=0), np.float32)
+        vs = zeros(op.Concat(nb, _ints(op, [a.hkv, bs]), axis=0), np.float32)
+        gather = lambda x: op.Gather(x, p["idx"], axis=0)  # noqa: E731
+        outs = op.QuantizeKVCache(gather(k_THD), gather(v_THD), p["slots"], kc, vc, ks, vs,
+                                  _domain=DOMAIN, _outputs=4)
+        o_packed = op.PagedAttentionInt8(gather(q_THD), *outs, p["tables"], p["seq_lens"], p["cu"],
+                                         _domain=DOMAIN, **attrs)
+        o_all = op.ScatterND(op.Mul(q_THD, op.CastLike(op.Constant(value=ir.tensor(np.array(0.0, np.float32))),
+                                                        q_THD)),
+                             p["idx2"], o_packed)
+        q_BSHD_shape = op.Shape(op.Transpose(a.q_BHSD, perm=[0, 2, 1, 3]))
+        o = op.Transpose(op.Reshape(o_all, q_BSHD_shape), perm=[0, 2, 1, 3])
+    ctx.outputs_made.add(o)
+    return o
+
+
+# --- the MatMul form as an onnxscript rule ------------------------------------------------------
+
+
+class MatMulSoftmaxAttention(pattern.RewriteRuleClassBase):
+    """``MatMul(q, K^T) [*c] [+mask] -> Softmax -> [Where(IsNaN)] -> MatMul(., V)``."""
+
+    def __init__(self, ctx: _Ctx):
+        super().__init__(name="PagedAttentionInt8_MatMulSoftmax")
+        self._ctx = ctx
+
+    def pattern(self, op, query, key_t, value, mask, qk_scale, nan_fill):
+        # scores [B, Hq, S, Skv] = q [B, Hq, S, D] @ K^T [B, Hq, D, Skv]
+        scores = op.MatMul(query, key_t)
+        # Optional scale on the scores (eager attention; sdpa scales q and K^T instead).
+        scores = pattern.OrValue([op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
+                                 tag_var="qk_scaling", tag_values=["Mul", "Div", "None"])
+        # Optional additive mask (causal + padding, checked by probing in check()).
+        scores = pattern.OrValue([op.Add(scores, mask), scores], tag_var="has_mask", tag_values=[True, False])
+        probs = op.Softmax(scores, _outputs=["probs"])
+        # sdpa's guard against fully masked rows (NaN -> 0).
+        probs = pattern.OrValue([op.Where(op.IsNaN(probs), nan_fill, probs), probs],
+                                tag_var="nan_guard", tag_values=[True, False])
+        # out [B, Hq, S, D] = P [B, Hq, S, Skv] @ V [B, Hq, Skv, D]
+        return op.MatMul(probs, value)
+
+    def check(self, context, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None",
+              nan_fill=None, **_):
+        where = probs.producer().name or "Softmax"
+        try:
+            _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs)
+        except MatchFailureError as e:
+            self._ctx.declines.setdefault(where, e.reason if hasattr(e, "reason") else str(e))
+            return pattern.MatchResult().fail(str(getattr(e, "reason", e)))
+        self._ctx.declines.pop(where, None)
+        return pattern.MatchResult()
+
+    def rewrite(self, op, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None",
+                nan_fill=None, **_):
+        a = _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs)
+        self._ctx.forms["matmul"] = self._ctx.forms.get("matmul", 0) + 1
+        return _emit(op, self._ctx, a)
+
+
+# --- the ONNX Attention op (opset 23) -----------------------------------------------------------
+
+
+def _fuse_onnx_attention(ctx: _Ctx) -> int:
+    graph = ctx.model.graph
+    count = 0
+    for node in list(graph):
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx"):
+            continue
+        where = node.name or "Attention"
+        try:
+            a, outs = _decode_onnx_attention(ctx, node)
+        except MatchFailureError as e:
+            ctx.declines[where] = str(getattr(e, "reason", e))
+            continue
+        tape = ir.tape.Tape()
+        op = _TapeOp(tape)
+        o_BHSD = _emit(op, ctx, a)
+        y = node.outputs[0]
+        if a.q_BHSD is node.inputs[0]:
+            new_y = o_BHSD
+        else:  # 3-D query [B, S, Hq*D]: back to that layout
+            new_y = op.Reshape(op.Transpose(o_BHSD, perm=[0, 2, 1, 3]), _ints(op, [0, 0, -1]))
+        new_nodes = tape.nodes
+        graph.insert_before(node, new_nodes)
+        y.replace_all_uses_with(new_y)
+        if y in graph.outputs:
+            graph.outputs[graph.outputs.index(y)] = new_y
+        ctx.forms["onnx_attention"] = ctx.forms.get("onnx_attention", 0) + 1
+        count += 1
+    return count
+
+
+def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
+    ins = list(node.inputs) + [None] * (7 - len(node.inputs))
+    q, k, v, mask, past_k, past_v = ins[:6]
+    if ins[6] is not None:
+        raise MatchFailureError("nonpad_kv_seqlen input is not supported")
+    if len(node.outputs) > 3 and node.outputs[3].uses():
+        raise MatchFailureError("the qk_matmul_output output is used")
+    for attr, ok in (("softcap", 0.0), ("qk_matmul_output_mode", 0)):
+        if attr in node.attributes and float(node.attributes[attr].value) != ok:
+            raise MatchFailureError(f"attribute {attr}={node.attributes[attr].value} is not supported")
+    causal = bool(g.attr_int(node, "is_causal", 0))
+    if g.rank(q) == 3:
+        hq, hkv = g.attr_int(node, "q_num_heads"), g.attr_int(node, "kv_num_heads")
+        raise MatchFailureError(f"3-D Attention inputs (q_num_heads={hq}, kv_num_heads={hkv}) are not supported yet")
+    if past_k is not None or past_v is not None:
+        if ctx.paged and past_k in ctx.past_layer and past_v in ctx.past_layer:
+            if g.rank(k) != 4 or g.rank(v) != 4:
+                raise MatchFailureError("Attention with past inputs needs 4-D key/value")
+        else:
+            raise MatchFailureError("Attention's past_key/past_value are not the model's past inputs")
+    else:
+        # torch.onnx writes repeat_kv(Concat(past, new)) as K and V of an Attention without past inputs
+        past_k, k = _split_past(_strip_repeat_kv(k), ctx)
+        past_v, v = _split_past(_strip_repeat_kv(v), ctx)
+        if ctx.paged and (past_k is None or past_v is None):
+            raise MatchFailureError("KV-cache model, but this Attention does not read a past key and value")
+        if not ctx.paged and past_k is not None:
+            raise MatchFailureError("past concatenated in a model without a cache interface")
+    hq, hkv, d = _check_dims(ctx, q, k, v)
+    scale = node.attributes["scale"].value if "scale" in node.attributes else 1.0 / math.sqrt(d)
+    kind = _mask_kind(mask, ctx, causal_attr=causal)
+    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind)
+    if ctx.paged:
+        # present_key/value are the graph outputs the paged caches replace
+        for o in node.outputs[1:3]:
+            if o is not None and o.uses():
+                raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
+    return a, None
+
+
+class _TapeOp:
+    """The ``op.X(..., _domain=, _outputs=)`` builder interface of onnxscript's rewriter, on an
+    onnx_ir Tape, so ``_emit`` serves both the rule and the single-node passes."""
+
+    def __init__(self, tape):
+        self._tape = tape
+
+    def __getattr__(self, op_type):
+        def build(*inputs, _domain: str = "", _outputs: int = 1, **attrs):
+            attrs = {k: v for k, v in attrs.items() if v is not None}
+            if _outputs == 1:
+                return self._tape.op(op_type, list(inputs), attributes=attrs, domain=_domain)
+            return self._tape.op_multi_out(op_type, list(inputs), attributes=attrs, domain=_domain,
+                                           num_outputs=_outputs)
+
+        return build
+
+
+# --- the pass ---------------------------------------------------------------------------------
+
+
+def _find_past(model: ir.Model) -> dict:
+    """Past K/V graph inputs -> (layer, "key"|"value"), in input order (layer i = i-th pair).
+
+    Names as exporters write them: ``past_key_values.{i}.key`` (optimum, TorchScript),
+    ``past_key_values.layers.{i}.keys`` (transformers), ``past_key_{i}`` (hand-built)."""
+    keys, vals = [], []
+    for v in model.graph.inputs:
+        name = (v.name or "").lower()
+        if "past" not in name:
+            continue
+        tail = name.replace("past_key_values", "").replace("past", "")
+        if tail.rstrip("s0123456789._").endswith("value") or "value" in tail:
+            vals.append(v)
+        elif "key" in tail:
+            keys.append(v)
+    out = {}
+    for i, v in enumerate(keys):
+        out[v] = (i, "key")
+    for i, v in enumerate(vals):
+        out[v] = (i, "value")
+    return out
+
+
+def _probe_targets(model: ir.Model) -> list[ir.Value]:
+    """Values whose probe the checks read: masks added before a Softmax, Attention masks, and
+    the conditions of Where nodes (the fully-masked-row fix some exporters add)."""
+    vals = []
+    for node in model.graph:
+        if node.op_type == "Softmax":
+            add = g.producer(node.inputs[0], "Add")
+            if add is not None:
+                vals.extend(add.inputs)
+        elif node.op_type == "Attention" and len(node.inputs) > 3 and node.inputs[3] is not None:
+            vals.append(node.inputs[3])
+        elif node.op_type == "Where" and node.inputs[0] is not None:
+            vals.append(node.inputs[0])
+    seen, out = set(), []
+    for v in vals:
+        if v is not None and v.name and v.name not in seen and g.const_array(v) is None:
+            seen.add(v.name)
+            out.append(v)
+    return out
+
+
+def _drop_row_fix(ctx: _Ctx) -> None:
+    """Where(c, 0, attn) after an attention we replaced zeroes query rows that see no key; in the
+    paged model no query is a pad, and the probe shows c is False on every real query, so
+    ``attn`` passes through (and c's mask plumbing dies with it)."""
+    for node in list(ctx.model.graph):
+        if node.op_type != "Where":
+            continue
+        c, x, y = node.inputs
+        if g.const_scalar(x) != 0.0 and not (g.const_array(x) is not None and not np.any(g.const_array(x))):
+            continue
+        # y is our output, possibly through layout ops that do not mix tokens
+        src, hops = y, 0
+        while src is not None and src not in ctx.outputs_made and hops < 4:
+            p = src.producer()
+            if p is None or p.op_type not in ("Transpose", "Reshape"):
+                src = None
+                break
+            src, hops = p.inputs[0], hops + 1
+        if src is None or src not in ctx.outputs_made:
+            continue
+        probe = ctx.probes.get(c.name)
+        if probe is None:
+            continue
+        real_q = ctx.probe_mask[:, ctx.probe_past:] > 0  # [B, S]
+        try:
+            pb = np.broadcast_to(probe, probe.shape)
+            # the condition is indexed [B, ?, S, ?] or [B, S, ?, ?]: accept it when it is False
+            # everywhere on real rows, i.e. False wherever it is not all-pad.
+            if np.any(pb) and not _false_on_real_rows(pb, real_q):
+                continue
+        except ValueError:
+            continue
+        node.outputs[0].replace_all_uses_with(y)
+        if node.outputs[0] in ctx.model.graph.outputs:
+            i = ctx.model.graph.outputs.index(node.outputs[0])
+            ctx.model.graph.outputs[i] = y
+
+
+def _false_on_real_rows(cond: np.ndarray, real_q: np.ndarray) -> bool:
+    b, s = real_q.shape
+    for axes in ((0, 2), (0, 1)):  # [B, 1, S, 1] or [B, S, 1, 1] layouts
+        if cond.ndim == 4 and cond.shape[axes[0]] in (1, b) and cond.shape[axes[1]] in (1, s):
+            c = np.moveaxis(cond, axes, (0, 1)).reshape(cond.shape[axes[0]], cond.shape[axes[1]], -1).any(-1)
+            c = np.broadcast_to(c, (b, s))
+            return not np.any(c & real_q)
+    return False
+
+
+def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> FusionResult:
+    """Replaces every attention block it can prove equivalent; see the module docstring.
+
+    Args:
+        model: an onnx_ir.Model, changed in place.
+        options: block size, P.V and Q.K quantization.
+
+    Returns:
+        FusionResult(kind="attention"): fused count, declines with reasons, details
+        {"interface": "paged" | "prefill" | "unchanged", "forms": {form: count}}.
+    """
+    result = FusionResult(kind="attention")
+    work = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    _shape_inference(work)
+    past = _find_past(work)
+    paged = bool(past)
+    probe_error = None
+    probes: dict = {}
+    probe_mask = None
+    targets = _probe_targets(work)
+    # Shapes the graph leaves symbolic (head counts behind dynamic Reshapes) come from the probe.
+    names = {t.name for t in targets}
+    targets += [v for v in g.all_node_outputs(work) if v.name not in names]
+    fe = g.probe_feeds(work, list(past))
+    if fe is None:
+        probe_error = "the graph has inputs other than input_ids/attention_mask/position_ids/past"
+    elif targets:
+        feeds, probe_mask = fe
+        try:
+            probes = g.run_probe(work, targets, feeds)
+        except Exception as e:  # noqa: BLE001 - any failure means: cannot check, decline
+            probe_error = f"running the original graph on a probe batch failed ({str(e).splitlines()[0][:200]})"
+    probes2: dict = {}
+    if probes and paged:
+        fe2 = g.probe_feeds(work, list(past), b=3, s=7, past=9)
+        try:
+            probes2 = g.run_probe(work, targets, fe2[0]) if fe2 else {}
+        except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
+            probes2 = {}
+    ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
+               probe_error)
+    for v in work.graph.inputs:
+        if "attention_mask" in (v.name or ""):
+            ctx.shared["attention_mask"] = v
+
+    present_names = {}
+    if paged:
+        _prepare_paged_io(ctx, present_names)
+
+    rules = pattern.RewriteRuleSet([MatMulSoftmaxAttention.rule(ctx)], commute=True)
+    fused = rules.apply_to_model(work)
+    fused += _fuse_onnx_attention(ctx)
+
+    # Attention left in the graph: report each with its reason.
+    for node in work.graph:
+        if node.op_type in ("Softmax", "Attention", "GroupQueryAttention", "MultiHeadAttention"):
+            where = node.name or node.op_type
+            reason = ctx.declines.get(where) or (
+                f"{node.op_type} not in an attention pattern the rewrite knows"
+                if node.op_type == "Softmax" else f"{node.domain or 'ai.onnx'}.{node.op_type} is not supported yet")
+            result.declined.append(Decline(where, reason))
+
+    if paged:
+        problem = _finish_paged(ctx, fused, present_names)
+        if problem:
+            result.declined.append(Decline("model", problem))
+            result.details = {"interface": "unchanged", "forms": {}}
+            return result
+    if fused == 0:
+        result.details = {"interface": "unchanged", "forms": {}}
+        return result
+    ir.passes.common.RemoveUnusedNodesPass()(work)
+    work.opset_imports[DOMAIN] = OPSET_VERSION
+    model.graph = work.graph  # opset imports live on the graph in onnx_ir
+    model.metadata_props.update(work.metadata_props)
+    result.fused = fused
+    result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms)}
+    return result
+
+
+def _shape_inference(model: ir.Model) -> None:
+    try:
+        ir.passes.common.ShapeInferencePass()(model)
+    except Exception:  # noqa: BLE001 - shapes are a help; missing ones make checks decline
+        pass
+
+
+def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
+    """Adds the paged inputs, and takes present outputs out of the graph outputs (so the pattern's
+    intermediate values have no outside uses); ``_finish_paged`` restores or replaces them."""
+    graph = ctx.model.graph
+    n_layers = 1 + max(layer for layer, _ in ctx.past_layer.values())
+    new_inputs = {
+        SLOT_MAPPING: (ir.DataType.INT64, ["total_tokens"]),
+        BLOCK_TABLES: (ir.DataType.INT32, ["num_seqs", "max_blocks"]),
+        SEQ_LENS: (ir.DataType.INT32, ["num_seqs"]),
+        CU_SEQLENS_Q: (ir.DataType.INT32, ["num_seqs_plus_1"]),
+    }
+    for name, (dt, shape) in new_inputs.items():
+        v = ir.Value(name=name, type=ir.TensorType(dt), shape=ir.Shape(shape))
+        graph.inputs.append(v)
+        ctx.shared[name] = v
+    hkv_d = {}
+    for v, (layer, _) in ctx.past_layer.items():
+        if v.shape is not None and v.shape.rank() == 4:
+            hkv_d[layer] = (v.shape[1], v.shape[3])
+    ctx.shared["cache_in"] = {}
+    bs = ctx.options.block_size
+    for layer in range(n_layers):
+        hkv, d = hkv_d.get(layer, ("num_kv_heads", "head_dim"))
+        shapes = {"key": (ir.DataType.INT8, ["num_blocks", hkv, bs, d]),
+                  "value": (ir.DataType.INT8, ["num_blocks", hkv, d, bs]),
+                  "key_scale": (ir.DataType.FLOAT, ["num_blocks", hkv, bs]),
+                  "value_scale": (ir.DataType.FLOAT, ["num_blocks", hkv, bs])}
+        for part in CACHE_PARTS:
+            dt, shape = shapes[part]
+            v = ir.Value(name=cache_input_name(layer, part), type=ir.TensorType(dt), shape=ir.Shape(shape))
+            graph.inputs.append(v)
+            ctx.shared["cache_in"][(layer, part)] = v
+    # present outputs: Concat(past, new) of each layer, or Attention's present outputs
+    for out in list(graph.outputs):
+        node = out.producer()
+        is_present = False
+        if node is not None and node.op_type == "Concat" and any(
+                _skip_copies(i) in ctx.past_layer for i in node.inputs):
+            is_present = True
+        elif node is not None and node.op_type == "Attention" and out in list(node.outputs[1:3]):
+            is_present = True
+        if is_present:
+            present_names[out.name] = out
+            graph.outputs.remove(out)
+
+
+def _shape_axes(node: ir.Node, rank: int) -> list[int] | None:
+    """The axes of its input a Shape node's result is actually read at: its start/end range, or
+    with a full Shape, the constant indices of the Gathers reading it (None: something else reads it)."""
+    start = g.attr_int(node, "start", 0)
+    end = g.attr_int(node, "end", rank)
+    start = start + rank if start < 0 else start
+    end = end + rank if end < 0 else min(end, rank)
+    axes = list(range(start, end))
+    if axes != list(range(rank)):
+        return axes
+    read: set[int] = set()
+    for use in node.outputs[0].uses():
+        user = use.node
+        idx = g.const_array(user.inputs[1]) if user.op_type == "Gather" and len(user.inputs) > 1 else None
+        if idx is None or g.attr_int(user, "axis", 0) != 0:
+            return None
+        read.update(int(i) % rank for i in np.ravel(idx))
+    return sorted(read)
+
+
+def _reroute_past_shapes(ctx: _Ctx) -> None:
+    """Exporters read the batch size (axis 0) or the head counts (axes 1, 3) from the shape of a
+    past input or of Concat(past, new). In the paged model the batch is input_ids' axis 0 and
+    the others are those of ``new``; a read of axis 2 (the past length) has no paged meaning and
+    stays (then the model is declined)."""
+    graph = ctx.model.graph
+    ids = next((v for v in graph.inputs if v.name and v.name.endswith("input_ids")), None)
+    sources = []
+    for past in ctx.past_layer:
+        for use in past.uses():
+            user = use.node
+            if user.op_type == "Shape":
+                sources.append((user, None))
+            elif user.op_type == "Concat" and len(user.inputs) == 2 and use.idx == 0:
+                sources.extend((u.node, user.inputs[1]) for u in user.outputs[0].uses()
+                               if u.node.op_type == "Shape")
+            elif user.op_type in ("Concat", "Identity") and len(user.inputs) == 1:
+                for u in user.outputs[0].uses():
+                    if u.node.op_type == "Concat" and len(u.node.inputs) == 2 and u.idx == 0:
+                        sources.extend((uu.node, u.node.inputs[1]) for uu in u.node.outputs[0].uses()
+                                       if uu.node.op_type == "Shape")
+    for node, new in sources:
+        axes = _shape_axes(node, 4)
+        if not axes or 2 in axes:
+            continue
+        if new is not None:
+            node.replace_input_with(0, new)
+        elif axes == [0] and ids is not None and g.attr_int(node, "start", 0) == 0:
+            node.replace_input_with(0, ids)
+
+
+def _fold_structural_ints(ctx: _Ctx) -> None:
+    """Integer values computed from a past input's shape that are the same on both probes (head
+    counts, head_dim: what the TorchScript exporter reads from the repeated V's shape) become
+    constants, so the past inputs can go."""
+    if not ctx.probes2:
+        return
+    graph = ctx.model.graph
+    past = set(ctx.past_layer)
+    for node in list(graph):
+        for out in node.outputs:
+            if not out.uses() or out.name not in ctx.probes or out.name not in ctx.probes2:
+                continue
+            a, b = ctx.probes[out.name], ctx.probes2[out.name]
+            if a.dtype not in (np.int64, np.int32) or a.size > 8 or a.shape != b.shape or not np.array_equal(a, b):
+                continue
+            if not g.depends_on(out, past):
+                continue
+            const = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(a))})
+            graph.insert_before(node, const)
+            out.replace_all_uses_with(const.outputs[0])
+
+
+def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
+    """Wires the cache outputs and drops past/present/attention_mask; returns a reason when the
+    model cannot become paged (then the caller leaves it unchanged)."""
+    graph = ctx.model.graph
+    n_layers = len(ctx.shared["cache_in"]) // len(CACHE_PARTS)
+    missing = [i for i in range(n_layers) if i not in ctx.cache_out]
+    if missing:
+        return (f"KV-cache model left unchanged: layer(s) {missing} could not be fused (see the reasons "
+                "above), and a paged model needs every layer paged")
+    _drop_row_fix(ctx)
+    ir.passes.common.RemoveUnusedNodesPass()(ctx.model)
+    for layer, outs in ctx.cache_out.items():
+        for part, v in zip(CACHE_PARTS, outs):
+            v.name = cache_output_name(layer, part)
+            graph.outputs.append(v)
+    _reroute_past_shapes(ctx)
+    _fold_structural_ints(ctx)
+    ir.passes.common.RemoveUnusedNodesPass()(ctx.model)
+    still_used = [f"{v.name} (by {g.node_names(u.node for u in v.uses())})" for v in ctx.past_layer if v.uses()]
+    if still_used:
+        return f"past input(s) {still_used} are still read after fusion (e.g. positions computed from the cache length)"
+    for v in list(ctx.past_layer):
+        graph.inputs.remove(v)
+    am = ctx.shared.get("attention_mask")
+    if am is not None:
+        if am.uses():
+            return ("attention_mask is still read after fusion (e.g. positions computed from it); "
+                    "export with position_ids as an input")
+        graph.inputs.remove(am)
+    ids = [v for v in graph.inputs if v.name and v.name.endswith("input_ids")]
+    pos = [v for v in graph.inputs if v.name and "position_ids" in v.name]
+    if not ids or not pos:
+        return "a paged model needs input_ids and position_ids inputs (positions feed RoPE)"
+    for v in ids + pos:
+        v.shape = ir.Shape([1, "total_tokens"])
+    logits = [o for o in graph.outputs if o.name not in {cache_output_name(i, p) for i in range(n_layers)
+                                                          for p in CACHE_PARTS}]
+    for o in logits:
+        if o.shape is not None and o.shape.rank() == 3:
+            o.shape = ir.Shape([1, "total_tokens", o.shape[2]])
+    meta = {
+        "version": 1,
+        "num_layers": n_layers,
+        "num_kv_heads": int(ctx.layer_dims[0][0]),
+        "head_dim": int(ctx.layer_dims[0][1]),
+        "layer_dims": [list(map(int, ctx.layer_dims[i])) for i in range(n_layers)],
+        "block_size": ctx.options.block_size,
+        "pv_quant": ctx.options.pv_quant,
+        "qk_quant": ctx.options.qk_quant,
+        "input_ids": ids[0].name,
+        "position_ids": pos[0].name,
+        "logits": logits[0].name if logits else None,
+        "cache_inputs": [[cache_input_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
+        "cache_outputs": [[cache_output_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
+        "removed_inputs": sorted(v.name for v in ctx.past_layer) + ([am.name] if am is not None else []),
+        "removed_outputs": sorted(present_names),
+    }
+    ctx.model.metadata_props[PAGED_META_KEY] = json.dumps(meta)
+    return None
