@@ -21,7 +21,7 @@ Variants, for the rewrite's positive and negative cases:
               input (must decline)
 
 ``build_contrib_moe(w, k, normalize, ...)`` returns ``(x [T, H], router_logits [T, E]) -> y`` as
-one ``com.microsoft`` ``MoE`` node (fc1/fc3 [E, I, H], fc2 [E, H, I]; ORT >= 1.22 layout).
+one ``com.microsoft`` ``MoE`` or ``QMoE`` node (weights [E, out, in], ORT >= 1.22 layout).
 """
 
 from __future__ import annotations
@@ -110,19 +110,56 @@ def build_moe(w, k: int, *, routing: str = "softmax_topk_renorm", activation: st
     return helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[helper.make_opsetid("", ONNX_OPSET)])
 
 
-def build_contrib_moe(w, k: int, normalize: bool = True, with_bias: bool = False) -> onnx.ModelProto:
+def _qmoe_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """ORT QMoE's symmetric per-output-channel rule for W [E, out, in]: uint8 codes with zero point
+    128 (8 bits) or 8 (4 bits, two per byte, even element in the low nibble) and scales [E, out]."""
+    qmax = 127 if bits == 8 else 7
+    scale = (np.abs(w).max(axis=2) / qmax).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, :, None]), -qmax - 1, qmax).astype(np.int32) + (qmax + 1)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return q.astype(np.uint8), scale
+
+
+def build_contrib_moe(w, k: int, normalize: bool = True, with_bias: bool = False, *, op: str = "MoE",
+                      layout: str = "fc3", bits: int = 8) -> onnx.ModelProto:
+    """One com.microsoft MoE / QMoE node. ``layout`` "fc3": activation silu, gate in fc1 and up
+    in fc3 (what transformers' fusion writes; ORT CPU refuses it); "swiglu": activation swiglu
+    with interleaved fc1 (swiglu_fusion=1, gate rows even, up rows odd; ORT CPU runs it).
+    ``op`` "QMoE" stores the weights as ``bits``-bit codes (``_qmoe_codes``)."""
     e, h, i2 = w.w_gate_up.shape
     inter = i2 // 2
-    fc1 = w.w_gate_up[:, :, :inter].transpose(0, 2, 1).copy()   # [E, I, H] gate
-    fc3 = w.w_gate_up[:, :, inter:].transpose(0, 2, 1).copy()   # [E, I, H] up
-    fc2 = w.w_down.transpose(0, 2, 1).copy()                    # [E, H, I] down
-    inits = [numpy_helper.from_array(a, n) for a, n in [(fc1, "fc1"), (fc2, "fc2"), (fc3, "fc3")]]
-    ins = ["x", "router_logits", "fc1", "", "fc2", "", "fc3"]
+    gate = w.w_gate_up[:, :, :inter].transpose(0, 2, 1)   # [E, I, H]
+    up = w.w_gate_up[:, :, inter:].transpose(0, 2, 1)     # [E, I, H]
+    down = w.w_down.transpose(0, 2, 1).copy()             # [E, H, I]
+    if layout == "fc3":
+        mats = {"fc1": gate.copy(), "fc2": down, "fc3": up.copy()}
+        attrs = {"activation_type": "silu"}
+    else:
+        fc1 = np.empty((e, 2 * inter, h), np.float32)
+        fc1[:, 0::2], fc1[:, 1::2] = gate, up
+        mats = {"fc1": fc1, "fc2": down}
+        attrs = {"activation_type": "swiglu", "swiglu_fusion": 1}
+    inits, slots = [], {}
+    for name, m in mats.items():
+        if op == "QMoE":
+            q, s = _qmoe_codes(m, bits)
+            inits += [numpy_helper.from_array(q, name), numpy_helper.from_array(s, f"{name}_scales")]
+            slots[name] = [name, f"{name}_scales"]
+        else:
+            inits.append(numpy_helper.from_array(m.astype(np.float32), name))
+            slots[name] = [name]
+    bias = ""
     if with_bias:
-        inits.append(numpy_helper.from_array(np.zeros((e, inter), np.float32), "fc1_bias"))
-        ins[3] = "fc1_bias"
-    node = helper.make_node("MoE", ins, ["y"], name="moe", domain="com.microsoft", k=k,
-                            activation_type="silu", normalize_routing_weights=int(normalize))
+        inits.append(numpy_helper.from_array(np.zeros((e, mats["fc1"].shape[1]), np.float32), "fc1_bias"))
+        bias = "fc1_bias"
+    ins = ["x", "router_logits", *slots["fc1"], bias, *slots["fc2"], ""]
+    if "fc3" in slots:
+        ins += slots["fc3"]
+    if op == "QMoE":
+        attrs["expert_weight_bits"] = bits
+    node = helper.make_node(op, ins, ["y"], name="moe", domain="com.microsoft", k=k,
+                            normalize_routing_weights=int(normalize), **attrs)
     graph = helper.make_graph(
         [node], "contrib_moe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", h]),

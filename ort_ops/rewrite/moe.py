@@ -745,8 +745,13 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     return nodes, out, nbytes
 
 
-def _insert(graph: ir.Graph, after: ir.Node, nodes: list[ir.Node]) -> None:
-    graph.insert_after(after, nodes)
+def _replace_value(old: ir.Value, new: ir.Value) -> None:
+    """Redirects every use of ``old`` to ``new``; a graph output keeps its name."""
+    if old.is_graph_output():
+        name = old.name
+        old.name = f"{name}/unfused"
+        new.name = name
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
 
 
 def _replace_block(model: ir.Model, block: _Block) -> int:
@@ -761,8 +766,8 @@ def _replace_block(model: ir.Model, block: _Block) -> int:
         shp.outputs[0].name, rs.outputs[0].name = f"{prefix}/Shape_0", f"{prefix}/Reshape_0"
         nodes += [shp, rs]
         out = rs.outputs[0]
-    _insert(graph, block.out.producer(), nodes)
-    ir.convenience.replace_all_uses_with(block.out, out, replace_graph_outputs=True)
+    graph.insert_after(block.out.producer(), nodes)
+    _replace_value(block.out, out)
     return nbytes
 
 
@@ -770,32 +775,101 @@ def _replace_block(model: ir.Model, block: _Block) -> int:
 # com.microsoft MoE
 
 
-def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
-    """Replaces one com.microsoft MoE node (float weights [E, out, in], ORT >= 1.22 layout)."""
+def _dequantize_qmoe(node: ir.Node, q: ir.Value, scales: ir.Value, bits: int, in_dim: int | None) -> np.ndarray:
+    """QMoE weights [E, out, in/pack] uint8 + scales [E, out] -> float32 [E, out, in].
+
+    ORT's symmetric rule (checked against ORT 1.31's CPU QMoE on hand-built nodes):
+    W = scale * (q - zero_point), zero point 128 for 8 bits and 8 for 4 bits, two 4-bit values
+    per byte with the even element in the low nibble.
+    """
+    qa, sa = _const(q), _const(scales)
+    if qa is None or sa is None:
+        raise _Declined("QMoE weights or scales are not constant initializers")
+    if qa.dtype != np.uint8 or qa.ndim != 3 or sa.ndim != 2 or sa.shape != qa.shape[:2]:
+        raise _Declined("QMoE weights/scales are not uint8 [E, out, in/pack] with per-channel [E, out] scales "
+                        "(block-wise scales are not handled)")
+    if bits == 8:
+        codes = qa.astype(np.float32) - 128.0
+    elif bits == 4:
+        codes = np.empty(qa.shape[:2] + (qa.shape[2] * 2,), np.float32)
+        codes[..., 0::2] = (qa & 0x0F).astype(np.float32) - 8.0
+        codes[..., 1::2] = (qa >> 4).astype(np.float32) - 8.0
+    else:
+        raise _Declined(f"QMoE expert_weight_bits {bits} is not 4 or 8")
+    return (codes * sa.astype(np.float32)[:, :, None]).astype(np.float32)
+
+
+def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I], description) of a com.microsoft MoE/QMoE.
+
+    Handled: activation "silu" with fc3 (gate = fc1, up = fc3), and "swiglu" with interleaved
+    fc1 (swiglu_fusion=1: gate = even rows, up = odd rows; ORT's CPU kernels agree) at alpha 1,
+    beta 0 and no limit, where it is exactly SiLU(gate) * up."""
     a = node.attributes
-    where = node.name or node.op_type
-    if node.op_type == "QMoE":
-        raise _Declined("QMoE (pre-quantized packed weights) is not rewritten yet: dequantize-requantize "
-                        "of its packed 4/8-bit layout is unverified here")
+    qmoe = node.op_type == "QMoE"
+    ins = list(node.inputs) + [None] * 12
+    if qmoe:
+        fc1, fc1_s, fc1_b, fc2, fc2_s, fc2_b, fc3, fc3_s, fc3_b = ins[2:11]
+        if any(v is not None for v in list(node.inputs)[11:]):
+            raise _Declined("QMoE zero-point / extra inputs are not handled")
+    else:
+        fc1, fc1_b, fc2, fc2_b, fc3, fc3_b = ins[2:8]
+    if any(b is not None for b in (fc1_b, fc2_b, fc3_b)):
+        raise _Declined("expert biases are not expressible in the INT8 chain")
     act = a["activation_type"].as_string() if "activation_type" in a else "relu"
     if _attr_int(node, "use_sparse_mixer", 0):
         raise _Declined("use_sparse_mixer routing is not expressible")
-    if _attr_int(node, "swiglu_fusion", 0):
-        raise _Declined("fused swiglu weight layout (swiglu_fusion != 0) is not handled")
-    ins = list(node.inputs) + [None] * (8 - len(node.inputs))
-    x, logits, fc1, fc1_b, fc2, fc2_b, fc3, fc3_b = ins[:8]
-    if act != "silu" or fc3 is None:
+    if qmoe and not _attr_int(node, "normalize_routing_weights", 0):
+        # The contrib spec says the top-k weights are then left unnormalized, but ORT 1.31's CPU
+        # QMoE renormalizes them anyway (its MoE does not): which one the model means is unknown.
+        raise _Declined("QMoE with normalize_routing_weights=0 is ambiguous (ORT's CPU QMoE "
+                        "renormalizes regardless)")
+    if qmoe and _attr_int(node, "block_size", 0) > 0:
+        raise _Declined("block-wise QMoE scales are not handled")
+    fusion = _attr_int(node, "swiglu_fusion", 0)
+    bits = _attr_int(node, "expert_weight_bits", 4)
+
+    def weights(v, s):
+        if v is None:
+            return None
+        if qmoe:
+            return _dequantize_qmoe(node, v, s, bits, None)
+        w = _const(v)
+        if w is None:
+            raise _Declined("expert weights are not constant initializers")
+        return w.astype(np.float32)
+
+    w1, w2 = weights(fc1, fc1_s if qmoe else None), weights(fc2, fc2_s if qmoe else None)
+    if act == "silu" and fc3 is not None and fusion == 0:
+        w3 = weights(fc3, fc3_s if qmoe else None)
+        gate, up, desc = w1, w3, "silu(fc1) * fc3"
+    elif act == "swiglu" and fusion == 1 and fc3 is None:
+        alpha = a["activation_alpha"].as_float() if "activation_alpha" in a else 1.0
+        beta = a["activation_beta"].as_float() if "activation_beta" in a else 0.0
+        limit = a["swiglu_limit"].as_float() if "swiglu_limit" in a else float("inf")
+        if alpha != 1.0 or beta != 0.0 or np.isfinite(limit):
+            raise _Declined(f"swiglu with alpha {alpha}, beta {beta}, limit {limit} is not SiLU(gate) * up")
+        gate, up, desc = w1[:, 0::2], w1[:, 1::2], "swiglu interleaved"
+    elif act == "swiglu":
+        raise _Declined(f"swiglu_fusion={fusion}{' with fc3' if fc3 is not None else ''}: layout not verified")
+    else:
         raise _Declined(f"activation '{act}'{' without fc3' if fc3 is None else ''} is not SiLU-gated")
-    if any(b is not None for b in (fc1_b, fc2_b, fc3_b)):
-        raise _Declined("expert biases are not expressible in the INT8 chain")
-    w1, w2, w3 = (_const(v) for v in (fc1, fc2, fc3))
-    if w1 is None or w2 is None or w3 is None:
-        raise _Declined("expert weights are not constant initializers")
-    if x.dtype != ir.DataType.FLOAT:
+    e, inter, h = gate.shape
+    if up.shape != gate.shape or w2.shape != (e, h, inter):
+        raise _Declined(f"expert weight shapes {gate.shape}/{up.shape}/{w2.shape} are not "
+                        "[E, I, H]/[E, I, H]/[E, H, I]")
+    return gate, up, w2, desc + (f", {bits}-bit" if qmoe else "")
+
+
+def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
+    """Replaces one com.microsoft MoE / QMoE node (weights [E, out, in], ORT >= 1.22 layout)."""
+    where = node.name or node.op_type
+    x, logits = node.inputs[0], node.inputs[1]
+    if x.dtype not in (None, ir.DataType.FLOAT):
         raise _Declined(f"input is {x.dtype}, only float32 blocks are fused")
-    e, inter, h = w1.shape
-    if w3.shape != w1.shape or w2.shape != (e, h, inter):
-        raise _Declined(f"fc1/fc2/fc3 shapes {w1.shape}/{w2.shape}/{w3.shape} are not [E, I, H]/[E, H, I]/[E, I, H]")
+    gate, up, down, wdesc = _contrib_weights(node)
+    e, inter, h = gate.shape
+    bytes_before = sum(int(_const(v).nbytes) for v in list(node.inputs)[2:] if v is not None)
     k = _attr_int(node, "k", 1)
     graph = model.graph
     prefix = f"moe_int8/{where}"
@@ -818,8 +892,8 @@ def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
     if _attr_int(node, "normalize_routing_weights", 0):
         s = add("ReduceSum", [vals, _initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
         wts = add("Div", [vals, s])[0]
-    nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, w1.transpose(0, 2, 1),
-                                         w3.transpose(0, 2, 1), w2.transpose(0, 2, 1))
+    nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, gate.transpose(0, 2, 1),
+                                         up.transpose(0, 2, 1), down.transpose(0, 2, 1))
     nodes = pre + nodes
     if x2 is not x:
         shp = ir.node("Shape", [x], name=f"{prefix}/Shape")
@@ -828,11 +902,11 @@ def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
         nodes += [shp, rs]
         out = rs.outputs[0]
     graph.insert_after(node, nodes)
-    ir.convenience.replace_all_uses_with(node.outputs[0], out, replace_graph_outputs=True)
-    return {"where": where, "form": "com.microsoft MoE", "experts": e, "top_k": k,
+    _replace_value(node.outputs[0], out)
+    return {"where": where, "form": f"com.microsoft {node.op_type} ({wdesc})", "experts": e, "top_k": k,
             "intermediate": inter, "routing": "softmax -> topk" + (" -> renormalize" if _attr_int(
                 node, "normalize_routing_weights", 0) else ""),
-            "weight_bytes_before": w1.nbytes + w2.nbytes + w3.nbytes, "weight_bytes_after": nbytes}
+            "weight_bytes_before": bytes_before, "weight_bytes_after": nbytes}
 
 
 # ---------------------------------------------------------------------------------------------

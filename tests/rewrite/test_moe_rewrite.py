@@ -4,7 +4,7 @@
 Fixtures (tests/fixtures/moe, made by graphs/export_moe_fixtures.py): each fusable form is
 fused (one MoE block per model, the INT8 chain present once, no float expert weight left), its
 logits stay within the INT8 budget of the fp32 torch model, and greedy decoding agrees with the
-fp32 model; the com.microsoft MoE model that stock ORT CPU refuses runs after the rewrite; the
+fp32 model (teacher-forced, same stop decisions); the com.microsoft MoE model that stock ORT CPU refuses runs after the rewrite; the
 legacy trace of the eager experts is refused. Hand-built blocks (graphs/moe.py): optimum's
 unrolled form under each routing the rewrite expresses, matched against the chain of numpy
 references, and the cases it must decline (Gelu, non-constant weights, no softmax, a partial
@@ -27,7 +27,8 @@ from graphs.moe import build_contrib_moe, build_moe
 from ort_ops._lib import session_options
 from ort_ops.ops import moe_layer as ml
 from ort_ops.rewrite.moe import fuse_moe
-from tests.tolerances import (MOE_REWRITE_GREEDY_AGREEMENT, MOE_REWRITE_LOGITS_REL_L2,
+from tests.tolerances import (MOE_CHAIN_VS_FLOAT_REL_L2, MOE_REWRITE_GREEDY_AGREEMENT,
+                              MOE_REWRITE_LOGITS_REL_L2, MOE_REWRITE_STOP_TIE_MARGIN,
                               MOE_REWRITE_VS_INT8_REFERENCE_REL)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "moe"
@@ -118,21 +119,34 @@ def test_fixture_logits_within_int8_budget(name):
 
 @pytest.mark.parametrize("name", sorted(FUSABLE))
 def test_fixture_greedy_agreement(name, rng):
-    """Greedy decoding of the rewritten model against the fp32 model: teacher-forced agreement
-    on the fp32 continuation >= 95%, and free-running decoding stops at the same step."""
+    """Greedy decoding against the fp32 model, teacher-forced on the fp32 continuation (so one
+    near-tie does not derail the rest): >= 95% of next tokens agree, and the stop decisions
+    (EOS predicted or not) agree at every position where fp32 is not within the INT8 noise of an
+    EOS tie. Free-running agreement is printed only: after
+    the first differing token the two continuations are different texts."""
     data, _ = _fused(name)
     fused = _session(data)
     fp32 = _session(str(FIXTURES / f"{FP32_STAND_IN.get(name, name)}.onnx"))
-    agree = total = 0
-    for _ in range(4):
+    agree = total = free = 0
+    # 8 prompts x 24 tokens: ~190 decisions, so the agreement share is measured to ~1% (the
+    # fixtures average ~1.5% disagreements, all at near-ties).
+    for _ in range(8):
         prompt = rng.integers(3, 64, size=int(rng.integers(4, 12))).tolist()
-        want = _greedy(fp32, prompt, 16)
-        preds = _logits(fused, prompt + want[:-1])[len(prompt) - 1:].argmax(-1)
-        agree += int(np.sum(preds == np.array(want)))
+        want = np.array(_greedy(fp32, prompt, 24))
+        context = prompt + want[:-1].tolist()
+        preds = _logits(fused, context)[len(prompt) - 1:].argmax(-1)
+        agree += int(np.sum(preds == want))
         total += len(want)
-        got = _greedy(fused, prompt, 16)
-        assert (EOS in got) == (EOS in want) and len(got) == len(want), (prompt, got, want)
-    print(f"{name}: greedy agreement {agree}/{total}")
+        # Stop decisions: EOS against the best other token, where the fp32 model is not within
+        # the INT8 logit noise of a tie.
+        ref = _logits(fp32, context)[len(prompt) - 1:]
+        gap = ref[:, EOS] - np.delete(ref, EOS, axis=1).max(axis=1)
+        clear = np.abs(gap) > MOE_REWRITE_STOP_TIE_MARGIN
+        np.testing.assert_array_equal((preds == EOS)[clear], (want == EOS)[clear],
+                                      err_msg=f"stop decisions differ, prompt {prompt}")
+        got = _greedy(fused, prompt, 24)
+        free += next((j for j, (a, b) in enumerate(zip(got, want.tolist())) if a != b), min(len(got), len(want)))
+    print(f"{name}: greedy agreement teacher-forced {agree}/{total}, free-running identical prefix {free}/{total}")
     assert agree / total >= MOE_REWRITE_GREEDY_AGREEMENT
 
 
@@ -206,19 +220,59 @@ def test_unrolled_block_declined(rng, kwargs, reason):
     assert not any(n.domain == "ort_ops" for n in fused.graph.node)
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_contrib_moe_equals_int8_reference(rng, normalize):
+def _effective_weights(w, op, bits):
+    """The float weights a QMoE node holds: w's gate/up/down through ORT's symmetric codes
+    (graphs.moe._qmoe_codes), dequantized as scale * (q - zero point)."""
+    if op != "QMoE":
+        return w
+    from graphs.moe import _qmoe_codes
+
+    def dq(m):  # m [E, out, in]
+        q, s = _qmoe_codes(m, bits)
+        if bits == 4:
+            q = np.stack([q & 0x0F, q >> 4], axis=-1).reshape(q.shape[:2] + (-1,))
+        return ((q.astype(np.float32) - (128 if bits == 8 else 8)) * s[:, :, None]).astype(np.float32)
+
+    gu = w.w_gate_up.transpose(0, 2, 1)  # [E, 2I, H]
+    inter = gu.shape[1] // 2
+    gate, up = dq(gu[:, :inter].copy()), dq(gu[:, inter:].copy())
+    down = dq(w.w_down.transpose(0, 2, 1).copy())
+    return ml.MoeWeights(w.router, np.concatenate([gate, up], axis=1).transpose(0, 2, 1).copy(),
+                         down.transpose(0, 2, 1).copy())
+
+
+@pytest.mark.parametrize("op, layout, bits, normalize", [
+    ("MoE", "fc3", 0, True), ("MoE", "fc3", 0, False), ("MoE", "swiglu", 0, True),
+    ("QMoE", "swiglu", 8, True), ("QMoE", "swiglu", 4, True), ("QMoE", "fc3", 8, True),
+], ids=lambda v: str(v))
+def test_contrib_moe_equals_int8_reference(rng, op, layout, bits, normalize):
+    """com.microsoft MoE / QMoE: the rewrite equals the INT8 reference chain of the node's float
+    weights, and where stock ORT CPU runs the node (swiglu layout) it stays within the INT8
+    chain's budget of ORT's own output."""
     w = ml.random_moe_weights(rng, H, I, E)
-    fused, result = _fuse_proto(build_contrib_moe(w, K, normalize))
+    proto = build_contrib_moe(w, K, normalize, op=op, layout=layout, bits=bits)
+    fused, result = _fuse_proto(proto)
     assert result.fused == 1, result.declined
+    assert not any(n.domain == "com.microsoft" for n in fused.graph.node)
+    assert [o.name for o in fused.graph.output] == ["y"]
     x = rng.standard_normal((29, H)).astype(np.float32)
-    logits = (x @ w.router).astype(np.float32)
-    got = _session(fused).run(None, {"x": x, "router_logits": logits})[0]
-    want = ml.moe_layer_int8_reference(x, ml.quantize_moe_weights(w), *ml.route(x, w.router, K, normalize))
+    feeds = {"x": x, "router_logits": (x @ w.router).astype(np.float32)}
+    got = _session(fused).run(None, feeds)[0]
+    weff = _effective_weights(w, op, bits)
+    routing = ml.route(x, w.router, K, normalize)
+    want = ml.moe_layer_int8_reference(x, ml.quantize_moe_weights(weff), *routing)
     assert np.max(np.abs(got - want)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(want))
+    if layout == "swiglu":
+        ort_out = _session(proto).run(None, feeds)[0]
+        np.testing.assert_allclose(ort_out, ml.moe_layer_float(x, weff, K, routing=routing), rtol=1e-3, atol=1e-4)
+        assert ml.relative_l2(got, ort_out) <= MOE_CHAIN_VS_FLOAT_REL_L2
 
 
-def test_contrib_moe_with_bias_declined(rng):
-    fused, result = _fuse_proto(build_contrib_moe(ml.random_moe_weights(rng, H, I, E), K, with_bias=True))
-    assert result.fused == 0 and "biases" in result.declined[0].reason
-    assert any(n.op_type == "MoE" for n in fused.graph.node)
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"with_bias": True}, "biases"),
+    ({"op": "QMoE", "layout": "swiglu", "normalize": False}, "normalize_routing_weights=0 is ambiguous"),
+], ids=["bias", "qmoe-unnormalized"])
+def test_contrib_moe_declined(rng, kwargs, reason):
+    fused, result = _fuse_proto(build_contrib_moe(ml.random_moe_weights(rng, H, I, E), K, **kwargs))
+    assert result.fused == 0 and reason in result.declined[0].reason, result.declined
+    assert any(n.domain == "com.microsoft" for n in fused.graph.node)
