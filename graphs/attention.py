@@ -152,6 +152,47 @@ def build_decoder(form: str = "eager", *, layers: int = 2, hq: int = 2, hkv: int
     return model
 
 
+def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: int = 64,
+                      packed_qkv: bool = True, local_window_size: int = -1,
+                      rotary_interleaved: int = 0, seed: int = 0) -> onnx.ModelProto:
+    """The ``com.microsoft`` GroupQueryAttention form onnxruntime-genai's builder and ORT's
+    transformer optimizer write: packed QKV [B, S, (Hq+2Hkv)*D], do_rotary=1 with cos/sin caches,
+    seqlens_k = sum(attention_mask) - 1, past/present [B, Hkv, P, D]; no position_ids input (GQA
+    derives positions from the past length). Runs on stock ORT CPU (right-padded or unpadded)."""
+    b = _B(seed)
+    d = head_dim
+    h = b.op("Gather", [b.weight(VOCAB, HIDDEN, std=1.0), "input_ids"], axis=0)
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB])]
+    seqlens_k = b.op("Cast", [b.op("Sub", [b.op("ReduceSum", ["attention_mask", _ints(b, [1])], keepdims=0),
+                                           _ints(b, 1)])], to=TensorProto.INT32)
+    total = b.op("Cast", [b.op("Gather", [b.op("Shape", ["attention_mask"]), _ints(b, 1)], axis=0)],
+                 to=TensorProto.INT32)
+    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = np.arange(1024)[:, None] * inv[None, :]
+    cos, sin = b.const(np.cos(ang).astype(np.float32), "cos_cache"), b.const(np.sin(ang).astype(np.float32), "sin_cache")
+    for layer in range(layers):
+        pk, pv = f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+        for n in (pk, pv):
+            inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", hkv, "past", d]))
+        for n in (f"present.{layer}.key", f"present.{layer}.value"):
+            outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", hkv, "total", d]))
+        if packed_qkv:
+            qkv = [b.op("MatMul", [h, b.weight(HIDDEN, (hq + 2 * hkv) * d)]), "", ""]
+        else:
+            qkv = [b.op("MatMul", [h, b.weight(HIDDEN, n * d)]) for n in (hq, hkv, hkv)]
+        o = b.op("GroupQueryAttention", qkv + [pk, pv, seqlens_k, total, cos, sin],
+                 [b.name("gqa"), f"present.{layer}.key", f"present.{layer}.value"], domain="com.microsoft",
+                 num_heads=hq, kv_num_heads=hkv, do_rotary=1, rotary_interleaved=rotary_interleaved,
+                 local_window_size=local_window_size)[0]
+        h = b.op("Add", [h, b.op("MatMul", [o, b.weight(hq * d, HIDDEN)])])
+    b.op("MatMul", [h, b.weight(HIDDEN, VOCAB, std=0.3)], ["logits"])
+    graph = helper.make_graph(b.nodes, "decoder_gqa", inputs, outputs, b.inits)
+    return helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", OPSET),
+                                                                  helper.make_opsetid("com.microsoft", 1)])
+
+
 def emulate_kv_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model with each new K/V (second input of a past Concat, or a K/V that feeds repeat_kv
     or the key transpose in prefill graphs found by the rewrite's decoder) replaced by its INT8

@@ -129,23 +129,63 @@ def _strip_scalar_scale(v: ir.Value) -> tuple[ir.Value, float]:
     return v, factor
 
 
-def _untranspose_key(kt: ir.Value) -> ir.Value:
-    """K^T [B, H, D, Skv] -> K [B, H, Skv, D]: Transpose(perm 0,1,3,2) or the 3-D
-    Reshape -> Transpose(0,2,1) -> Reshape the dynamo exporter writes."""
+def _probe_shape(ctx: _Ctx, v: ir.Value) -> tuple | None:
+    arr = ctx.probes.get(v.name)
+    return None if arr is None else tuple(arr.shape)
+
+
+def _peel_bshd_roundtrip(ctx: _Ctx, v: ir.Value) -> ir.Value | None:
+    """x [B, H, S, D] -> Transpose(0,2,1,3) -> Reshape [B, S, H*D] -> Reshape [B, S, H, D]: the
+    BSHD round trip ORT-fused exports put between repeat_kv and the attention. Returns x when
+    ``v`` is such a round trip's [B, S, H, D] end (proved on the probe run's shapes), else None."""
+    hops, cur = 0, v
+    while hops < 3:
+        node = g.producer(cur, "Reshape")
+        if node is None:
+            break
+        cur, hops = node.inputs[0], hops + 1
+    t = g.producer(cur, "Transpose")
+    if hops == 0 or t is None or g.attr_ints(t, "perm") != [0, 2, 1, 3]:
+        return None
+    x = t.inputs[0]
+    sv, sx = _probe_shape(ctx, v), _probe_shape(ctx, x)
+    if sv is None or sx is None or len(sx) != 4 or sv != (sx[0], sx[2], sx[1], sx[3]):
+        return None
+    return x
+
+
+def _untranspose_key(ctx: _Ctx, kt: ir.Value) -> ir.Value:
+    """K^T [B, H, D, Skv] -> K [B, H, Skv, D]: Transpose(perm 0,1,3,2), the 3-D Reshape ->
+    Transpose(0,2,1) -> Reshape the dynamo exporter writes, or Transpose(0,2,3,1) of a BSHD
+    round trip (transformers' exporter with ort_fusions)."""
     node = g.producer(kt, "Transpose")
     if node is not None:
         perm = g.attr_ints(node, "perm")
         if perm == [0, 1, 3, 2]:
             return node.inputs[0]
-        raise MatchFailureError(f"key transpose perm {perm} is not [0, 1, 3, 2] (layout BSHD is not supported)")
+        if perm == [0, 2, 3, 1]:
+            x = _peel_bshd_roundtrip(ctx, node.inputs[0])
+            if x is not None:
+                return x
+        raise MatchFailureError(f"key transpose perm {perm} of a layout the rewrite does not know")
     node = g.producer(kt, "Reshape")
     t = g.producer(node.inputs[0], "Transpose") if node is not None else None
     inner = g.producer(t.inputs[0], "Reshape") if t is not None else None
     if inner is not None and g.attr_ints(t, "perm") == [0, 2, 1]:
         k = inner.inputs[0]
-        if g.rank(k) == 4:
+        if _rank(ctx, k) == 4:
             return k
     raise MatchFailureError("the key operand is not a transposed key (K^T) the rewrite knows")
+
+
+def _unround_value(ctx: _Ctx, v: ir.Value) -> ir.Value:
+    """V through a BSHD round trip and back (Transpose(0,2,1,3)) -> the BHSD V before it."""
+    t = g.producer(v, "Transpose")
+    if t is not None and g.attr_ints(t, "perm") == [0, 2, 1, 3]:
+        x = _peel_bshd_roundtrip(ctx, t.inputs[0])
+        if x is not None:
+            return x
+    return v
 
 
 def _strip_repeat_kv(v: ir.Value) -> ir.Value:
@@ -260,9 +300,9 @@ def _decode_matmul_form(ctx: _Ctx, query, key_t, value, mask, qk_scale, qk_scali
         if c is None:
             raise MatchFailureError("the score scale is not a constant scalar")
         sqk = c if qk_scaling == "Mul" else 1.0 / c
-    k_full = _untranspose_key(kt)
+    k_full = _untranspose_key(ctx, kt)
     past_k, k_new = _split_past(_strip_repeat_kv(k_full), ctx)
-    past_v, v_new = _split_past(_strip_repeat_kv(value), ctx)
+    past_v, v_new = _split_past(_strip_repeat_kv(_unround_value(ctx, value)), ctx)
     if ctx.paged:
         if past_k is None or past_v is None:
             raise MatchFailureError("KV-cache model, but this attention does not read a past key and value")
@@ -431,6 +471,7 @@ def _fuse_onnx_attention(ctx: _Ctx) -> int:
         y.replace_all_uses_with(new_y)
         if y in graph.outputs:
             graph.outputs[graph.outputs.index(y)] = new_y
+        _remove_if_dead(graph, node)
         ctx.forms["onnx_attention"] = ctx.forms.get("onnx_attention", 0) + 1
         count += 1
     return count
@@ -474,6 +515,124 @@ def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
             if o is not None and o.uses():
                 raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
     return a, None
+
+
+def _fuse_gqa(ctx: _Ctx) -> int:
+    """com.microsoft GroupQueryAttention (onnxruntime-genai's builder, ORT's optimizer): packed or
+    separate Q/K/V [B, S, H*D], past/present [B, Hkv, P, D], optional rotary from cos/sin caches.
+    Paged models only; the rotary moves in front of the cache, driven by ``position_ids``."""
+    graph = ctx.model.graph
+    count = 0
+    for node in list(graph):
+        if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
+            continue
+        where = node.name or "GroupQueryAttention"
+        try:
+            spec = _decode_gqa(ctx, node)
+        except MatchFailureError as e:
+            ctx.declines[where] = str(getattr(e, "reason", e))
+            continue
+        tape = ir.tape.Tape()
+        op = _TapeOp(tape)
+        q, k, v, hq, hkv, d, scale, rotary = spec
+        qkv_dims = [hq * d, hkv * d, hkv * d]
+        if k is None:  # packed QKV [B, S, (Hq + 2 Hkv) * D]
+            q, k, v = op.Split(q, _ints(op, qkv_dims), axis=-1, _outputs=3)
+        q_THD = op.Reshape(q, _ints(op, [-1, hq, d]))
+        k_THD = op.Reshape(k, _ints(op, [-1, hkv, d]))
+        v_THD = op.Reshape(v, _ints(op, [-1, hkv, d]))
+        if rotary is not None:
+            cos_cache, sin_cache = rotary
+            pos = op.Reshape(_position_input(ctx), _ints(op, [-1]))
+            cos = op.Unsqueeze(op.Gather(cos_cache, pos, axis=0), _ints(op, [1]))  # [T, 1, D/2]
+            sin = op.Unsqueeze(op.Gather(sin_cache, pos, axis=0), _ints(op, [1]))
+
+            def rope(x):  # rotate_half form: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+                x1, x2 = op.Split(x, _ints(op, [d // 2, d // 2]), axis=-1, _outputs=2)
+                return op.Concat(op.Sub(op.Mul(x1, cos), op.Mul(x2, sin)),
+                                 op.Add(op.Mul(x2, cos), op.Mul(x1, sin)), axis=-1)
+
+            q_THD, k_THD = rope(q_THD), rope(k_THD)
+        layer = ctx.past_layer[node.inputs[3]][0]
+        caches = [ctx.shared["cache_in"][(layer, p)] for p in CACHE_PARTS]
+        outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
+        ctx.cache_out[layer] = outs
+        ctx.layer_dims[layer] = (hkv, d)
+        attrs = dict(qk_quant=ctx.options.qk_quant, pv_quant=ctx.options.pv_quant)
+        if not math.isclose(scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
+            attrs["scale"] = float(scale)
+        o = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
+                                  ctx.shared[CU_SEQLENS_Q], _domain=DOMAIN, **attrs)
+        y = op.Reshape(o, _ints(op, [1, -1, hq * d]))
+        graph.insert_before(node, tape.nodes)
+        old = node.outputs[0]
+        old.replace_all_uses_with(y)
+        if old in graph.outputs:
+            graph.outputs[graph.outputs.index(old)] = y
+        ctx.outputs_made.add(y)
+        _remove_if_dead(graph, node)
+        ctx.forms["com.microsoft.GroupQueryAttention"] = ctx.forms.get("com.microsoft.GroupQueryAttention", 0) + 1
+        count += 1
+    return count
+
+
+def _position_input(ctx: _Ctx) -> ir.Value:
+    """The model's position_ids input, or a new one (GQA models derive positions from the past
+    length, which a paged model does not have)."""
+    graph = ctx.model.graph
+    pos = next((v for v in graph.inputs if v.name and "position_ids" in v.name), None)
+    if pos is None:
+        pos = ir.Value(name="position_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1, "total_tokens"]))
+        graph.inputs.append(pos)
+    return pos
+
+
+def _decode_gqa(ctx: _Ctx, node: ir.Node):
+    ins = list(node.inputs) + [None] * (12 - len(node.inputs))
+    q, k, v, past_k, past_v = ins[:5]
+    if not ctx.paged or past_k not in ctx.past_layer or past_v not in ctx.past_layer:
+        raise MatchFailureError("GroupQueryAttention without the model's past_key/past_value inputs "
+                                "(prefill-only GQA graphs are not supported)")
+    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
+        if ins[i] is not None and what != "position_ids":
+            raise MatchFailureError(f"GroupQueryAttention with {what} is not supported")
+    a = node.attributes
+    get = lambda name, default: a[name].value if name in a else default  # noqa: E731
+    if int(get("local_window_size", -1)) != -1:
+        raise MatchFailureError(f"sliding window (local_window_size={get('local_window_size', -1)}) "
+                                "cannot be expressed by the paged op")
+    if float(get("softcap", 0.0)) != 0.0 or int(get("smooth_softmax", 0)) != 0 or int(get("qk_output", 0)) != 0:
+        raise MatchFailureError("softcap / smooth_softmax / qk_output are not supported")
+    hq, hkv = int(get("num_heads", 0)), int(get("kv_num_heads", 0))
+    d = g.dim(past_k, 3)
+    if d is None:
+        d = _dim(ctx, past_k, 3)
+    if not hq or not hkv or d is None:
+        raise MatchFailureError(f"head counts/head_dim unknown (num_heads={hq}, kv_num_heads={hkv}, D={d})")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise MatchFailureError(f"head_dim must be one of {{{', '.join(map(str, SUPPORTED_HEAD_DIMS))}}}, got {d}")
+    if hq % hkv:
+        raise MatchFailureError(f"query heads ({hq}) are not a multiple of kv heads ({hkv})")
+    scale = float(get("scale", 0.0)) or 1.0 / math.sqrt(d)
+    rotary = None
+    if int(get("do_rotary", 0)):
+        if int(get("rotary_interleaved", 0)):
+            raise MatchFailureError("interleaved rotary is not supported")
+        cos, sin = ins[7], ins[8]
+        cshape = g.const_array(cos).shape if g.const_array(cos) is not None else None
+        if cos is None or sin is None or cshape is None or len(cshape) != 2 or cshape[1] * 2 != d:
+            raise MatchFailureError("rotary needs constant cos/sin caches of [max_pos, head_dim/2] (partial rotary is not supported)")
+        rotary = (cos, sin)
+    for o in node.outputs[1:3]:
+        if o is not None and o.uses():
+            raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
+    return q, k, v, hq, hkv, d, scale, rotary
+
+
+def _remove_if_dead(graph: ir.Graph, node: ir.Node) -> None:
+    """Drops a replaced node once none of its outputs is read (present outputs were detached)."""
+    if all(not o.uses() and o not in graph.outputs for o in node.outputs if o is not None):
+        graph.remove(node, safe=True)
 
 
 class _TapeOp:
@@ -641,6 +800,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     rules = pattern.RewriteRuleSet([MatMulSoftmaxAttention.rule(ctx)], commute=True)
     fused = rules.apply_to_model(work)
     fused += _fuse_onnx_attention(ctx)
+    fused += _fuse_gqa(ctx)
 
     # Attention left in the graph: report each with its reason.
     for node in work.graph:
@@ -670,10 +830,17 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
 
 
 def _shape_inference(model: ir.Model) -> None:
+    import logging
+
+    log = logging.getLogger("onnx_ir.passes.common.shape_inference")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # a failed inference is logged with a traceback; shapes are a help
     try:
         ir.passes.common.ShapeInferencePass()(model)
-    except Exception:  # noqa: BLE001 - shapes are a help; missing ones make checks decline
+    except Exception:  # noqa: BLE001 - missing shapes come from the probe run instead
         pass
+    finally:
+        log.setLevel(level)
 
 
 def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
@@ -715,7 +882,8 @@ def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
         if node is not None and node.op_type == "Concat" and any(
                 _skip_copies(i) in ctx.past_layer for i in node.inputs):
             is_present = True
-        elif node is not None and node.op_type == "Attention" and out in list(node.outputs[1:3]):
+        elif node is not None and node.op_type in ("Attention", "GroupQueryAttention") and \
+                out in list(node.outputs[1:3]):
             is_present = True
         if is_present:
             present_names[out.name] = out

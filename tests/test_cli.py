@@ -1,0 +1,71 @@
+# SPDX-License-Identifier: MIT
+"""``ort-ops rewrite`` and ``ort-ops verify`` end to end on a bundled fixture (in process)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from ort_ops.cli import main
+
+FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "attention" / "tx_sdpa_kv.onnx"
+
+
+def test_rewrite_then_verify(tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fused"] == {"moe": 0, "attention": 2}
+    att = next(r for r in report["results"] if r["kind"] == "attention")
+    assert att["details"]["interface"] == "paged" and att["declined"] == []
+    assert main(["verify", "--quiet", str(FIXTURE), str(out), "--json", "--max-new-tokens", "16"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    for key in ("token_agreement", "logits_max_abs_err", "length_match", "eos_match"):
+        assert key in v["overall"] and all(key in p for p in v["prompts"])
+    assert v["passed"] and v["rewritten_interface"] == "paged" and len(v["prompts"]) == 4
+
+
+def test_rewrite_text_report_and_flags(tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--block-size", "32", "--pv-quant", "u8"]) == 0
+    text = capsys.readouterr().out
+    assert "attention: 2 block(s) fused (matmul: 2), interface: paged" in text
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-attention", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fused"] == {"moe": 0}
+
+
+def test_verify_fails_on_a_wrong_model(tmp_path, capsys):
+    """A 'rewritten' model whose lm_head is negated decodes other tokens: exit 1, FAIL; a
+    truncated file: exit 2."""
+    import onnx
+    from onnx import numpy_helper
+
+    m = onnx.load(str(FIXTURE))
+    last = next(n for n in m.graph.node if "logits" in n.output)
+    inits = {t.name: t for t in m.graph.initializer}
+    w = next(i for i in last.input if i in inits)
+    inits[w].CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(inits[w]), w))
+    wrong = tmp_path / "wrong.onnx"
+    onnx.save(m, str(wrong))
+    assert main(["verify", "--quiet", str(FIXTURE), str(wrong), "--max-new-tokens", "8"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(FIXTURE.read_bytes()[:1000])
+    assert main(["verify", "--quiet", str(FIXTURE), str(bad)]) == 2
+
+
+@pytest.mark.parametrize("args", [["rewrite", "/nonexistent.onnx", "x.onnx"], ["verify", "/nonexistent.onnx", "y"]])
+def test_missing_model_one_line_error(args, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ort-ops: ") and "not found" in err[-1]
+
+
+def test_unreadable_model_one_line_error(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    assert main(["rewrite", str(bad), str(tmp_path / "o.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ort-ops: ") and "not a readable ONNX model" in err[-1]
