@@ -24,7 +24,20 @@ struct Avx2Traits {
     return _mm256_set1_epi32(v);
   }
   static Vec dot(Vec c, Vec x, Vec w) { return _mm256_add_epi32(c, _mm256_madd_epi16(x, w)); }
-  static __m128i dot128(__m128i c, __m128i, __m128i) { return c; }  // no column sums needed
+  // 32 columns per group: int16 pairs of 16 columns per ymm half, lanes split 8 / 8.
+  static constexpr int64_t PACK_G = 32;
+  static constexpr int64_t perm(int64_t p) {
+    return (p / 16) * 16 + ((p % 8) / 4) * 8 + ((p / 8) % 2) * 4 + p % 4;
+  }
+  static void pack_group(const int8_t* const rows[2], uint8_t* dst, Vec*) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * h)));
+      const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + 16 * h)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * h), _mm256_unpacklo_epi16(a, b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * h + 32), _mm256_unpackhi_epi16(a, b));
+    }
+  }
+  static void store_corr(Vec, int32_t*) {}  // signed x: no column sums needed
   static void store_c(Vec acc, const int32_t*, float xs, const float* ws, float* out) {
     __m256 f = _mm256_cvtepi32_ps(acc);
     f = _mm256_mul_ps(f, _mm256_set1_ps(xs));

@@ -6,9 +6,10 @@
 
 #include "ops/grouped_matmul/tile_simd.h"
 
-// GCC 12 warns inside its own _mm512_cvtepi32_ps (the header's `__m512 __Y = __Y` placeholder),
-// not about our code.
+// GCC 12 warns inside its own _mm512_cvtepi32_ps / _mm512_slli_epi32 (the header's
+// `__m512 __Y = __Y` undefined-value placeholder), not about our code.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace ort_ops::grouped_matmul {
 namespace {
@@ -28,7 +29,23 @@ struct Avx512VnniTraits {
     return _mm512_set1_epi32(v);
   }
   static Vec dot(Vec c, Vec x, Vec w) { return _mm512_dpbusd_epi32(c, x, w); }
-  static __m128i dot128(__m128i c, __m128i u, __m128i s) { return _mm_dpbusd_epi32(c, u, s); }
+  // 64 columns per group: 4 k-rows interleaved into quads by in-lane unpacks (lanes 16 apart).
+  static constexpr int64_t PACK_G = 64;
+  static constexpr int64_t perm(int64_t p) { return ((p % 16) / 4) * 16 + (p / 16) * 4 + p % 4; }
+  static void pack_group(const int8_t* const rows[4], uint8_t* dst, Vec* colsum) {
+    __m512i r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm512_loadu_si512(rows[i]);
+    const __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+    const __m512i v[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                          _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_si512(dst + 64 * j, v[j]);
+      colsum[j] = _mm512_dpbusd_epi32(colsum[j], ones, v[j]);
+    }
+  }
+  static void store_corr(Vec colsum, int32_t* dst) { _mm512_storeu_si512(dst, _mm512_slli_epi32(colsum, 7)); }
   static void store_c(Vec acc, const int32_t* corr, float xs, const float* ws, float* out) {
     acc = _mm512_sub_epi32(acc, _mm512_load_si512(corr));
     __m512 f = _mm512_cvtepi32_ps(acc);

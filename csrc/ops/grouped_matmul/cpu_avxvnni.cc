@@ -24,7 +24,25 @@ struct AvxVnniTraits {
     return _mm256_set1_epi32(v);
   }
   static Vec dot(Vec c, Vec x, Vec w) { return _mm256_dpbusd_avx_epi32(c, x, w); }
-  static __m128i dot128(__m128i c, __m128i u, __m128i s) { return _mm_dpbusd_avx_epi32(c, u, s); }
+  // 32 columns per group: 4 k-rows interleaved into quads by in-lane unpacks (lanes 16 apart).
+  static constexpr int64_t PACK_G = 32;
+  static constexpr int64_t perm(int64_t p) { return ((p % 8) / 4) * 16 + (p / 8) * 4 + p % 4; }
+  static void pack_group(const int8_t* const rows[4], uint8_t* dst, Vec* colsum) {
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i]));
+    const __m256i lo01 = _mm256_unpacklo_epi8(r[0], r[1]), hi01 = _mm256_unpackhi_epi8(r[0], r[1]);
+    const __m256i lo23 = _mm256_unpacklo_epi8(r[2], r[3]), hi23 = _mm256_unpackhi_epi8(r[2], r[3]);
+    const __m256i v[4] = {_mm256_unpacklo_epi16(lo01, lo23), _mm256_unpackhi_epi16(lo01, lo23),
+                          _mm256_unpacklo_epi16(hi01, hi23), _mm256_unpackhi_epi16(hi01, hi23)};
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * j), v[j]);
+      colsum[j] = _mm256_dpbusd_avx_epi32(colsum[j], ones, v[j]);
+    }
+  }
+  static void store_corr(Vec colsum, int32_t* dst) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_slli_epi32(colsum, 7));
+  }
   static void store_c(Vec acc, const int32_t* corr, float xs, const float* ws, float* out) {
     acc = _mm256_sub_epi32(acc, _mm256_load_si256(reinterpret_cast<const __m256i*>(corr)));
     __m256 f = _mm256_cvtepi32_ps(acc);

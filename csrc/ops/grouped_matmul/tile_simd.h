@@ -24,51 +24,35 @@ namespace {
 constexpr int64_t kStepBytes = kTileCols * 4;
 constexpr int64_t kPrefetchRows = 16;
 
-// Bytes [0, count) of p (count <= 16), zeros after: never reads past a segment's last column.
-inline __m128i load_cols(const int8_t* p, int64_t count) {
-  if (count >= 16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  alignas(16) int8_t tmp[16] = {};
+// Packing: each Traits::pack_group turns G columns of KPER weight rows into G * 4 bytes with
+// in-lane unpacks only (no cross-lane fix-ups), so packed columns come out in a fixed permuted
+// order, Traits::perm(p) giving the column of packed position p. The micro-kernel does not care
+// about column order; weight scales and column sums are laid out in packed order too, and each
+// finished row is put back in natural order once (finish_row), 128 moves per row and tile.
+
+// Bytes [0, count) of p (count <= N), zeros after: never reads past a segment's last column.
+template <int N>
+inline const int8_t* safe_cols(const int8_t* p, int64_t count, int8_t* tmp) {
+  if (count >= N) return p;
+  std::memset(tmp, 0, N);
   if (count > 0) std::memcpy(tmp, p, static_cast<size_t>(count));
-  return _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+  return tmp;
 }
 
-// Packs 16 columns (W columns c .. c + count) of the KPER rows k0 .. into 64 bytes at dst.
-// KPER 4: int8 quads (VNNI). KPER 2: int16 pairs (AVX2 VPMADDWD).
-template <int KPER>
-inline void pack16(const int8_t* w, int64_t ldw, int64_t k, int64_t k0, int64_t c, int64_t count,
-                   uint8_t* dst, __m128i out[4]) {
-  __m128i r[4];
-  for (int i = 0; i < KPER; ++i)
-    r[i] = (k0 + i < k) ? load_cols(w + (k0 + i) * ldw + c, count) : _mm_setzero_si128();
-  if constexpr (KPER == 4) {
-    const __m128i lo01 = _mm_unpacklo_epi8(r[0], r[1]), hi01 = _mm_unpackhi_epi8(r[0], r[1]);
-    const __m128i lo23 = _mm_unpacklo_epi8(r[2], r[3]), hi23 = _mm_unpackhi_epi8(r[2], r[3]);
-    out[0] = _mm_unpacklo_epi16(lo01, lo23);  // columns 0-3, 4 k each
-    out[1] = _mm_unpackhi_epi16(lo01, lo23);  // 4-7
-    out[2] = _mm_unpacklo_epi16(hi01, hi23);  // 8-11
-    out[3] = _mm_unpackhi_epi16(hi01, hi23);  // 12-15
-  } else {
-    const __m128i a0 = _mm_cvtepi8_epi16(r[0]), a1 = _mm_cvtepi8_epi16(_mm_srli_si128(r[0], 8));
-    const __m128i b0 = _mm_cvtepi8_epi16(r[1]), b1 = _mm_cvtepi8_epi16(_mm_srli_si128(r[1], 8));
-    out[0] = _mm_unpacklo_epi16(a0, b0);  // columns 0-3, 2 k each
-    out[1] = _mm_unpackhi_epi16(a0, b0);
-    out[2] = _mm_unpacklo_epi16(a1, b1);
-    out[3] = _mm_unpackhi_epi16(a1, b1);
-  }
-  for (int i = 0; i < 4; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * i), out[i]);
-}
-
-// Packs the tile's columns; for VNNI also returns corr[j] = 128 * sum_k W[k, col j], the term
-// the unsigned x + 128 trick adds (int32 arithmetic wraps modulo 2^32: exact, see cpu.h).
+// Packs the tile's columns; for VNNI also returns corr[p] = 128 * sum_k W[k, col(p)], the term
+// the unsigned x + 128 trick adds (int32 arithmetic wraps modulo 2^32: exact, see cpu.h), and
+// colmap[p] = the natural tile position of packed position p.
 template <class T>
-void pack_tile(const TileArgs& a, int64_t steps, uint8_t* pk, int32_t* corr) {
+void pack_tile(const TileArgs& a, int64_t steps, uint8_t* pk, int32_t* corr, int32_t* colmap) {
+  constexpr int64_t G = T::PACK_G;
   const bool swiglu = a.mode == Mode::kSwiglu;
   const int64_t seg_pitch = swiglu ? kHalfCols : kTileCols;
   const int64_t seg_col[2] = {a.col0, a.n / 2 + a.col0};
   const int nseg = swiglu ? 2 : 1;
-  __m128i colsum[kTileCols / 4];
-  for (auto& v : colsum) v = _mm_setzero_si128();
-  const __m128i ones = _mm_set1_epi8(1);
+  for (int64_t p = 0; p < kTileCols; ++p) colmap[p] = static_cast<int32_t>((p / G) * G + T::perm(p % G));
+  typename T::Vec colsum[kTileCols / T::VW];
+  for (auto& v : colsum) v = T::zero();
+  alignas(64) int8_t tmp[T::KPER][G];
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t k0 = s * T::KPER;
     uint8_t* dst = pk + s * kStepBytes;
@@ -77,18 +61,23 @@ void pack_tile(const TileArgs& a, int64_t steps, uint8_t* pk, int32_t* corr) {
         for (int64_t c = 0; c < a.width; c += 64)
           _mm_prefetch(reinterpret_cast<const char*>(a.w + (k0 + kPrefetchRows) * a.n + seg_col[sg] + c),
                        _MM_HINT_T0);
-      for (int64_t g = 0; g < seg_pitch; g += 16) {
-        const int64_t pc = sg * seg_pitch + g;  // packed column
-        __m128i v[4];
-        pack16<T::KPER>(a.w, a.n, a.k, k0, seg_col[sg] + g, a.width - g, dst + pc * 4, v);
-        if constexpr (T::kUnsignedX)
-          for (int i = 0; i < 4; ++i) colsum[pc / 4 + i] = T::dot128(colsum[pc / 4 + i], ones, v[i]);
+      for (int64_t g = 0; g < seg_pitch; g += G) {
+        const int64_t pc = sg * seg_pitch + g;  // first packed column of the group
+        const int8_t* rows[T::KPER];
+        for (int i = 0; i < T::KPER; ++i) {
+          if (k0 + i < a.k) {
+            rows[i] = safe_cols<G>(a.w + (k0 + i) * a.n + seg_col[sg] + g, a.width - g, tmp[i]);
+          } else {
+            std::memset(tmp[i], 0, G);
+            rows[i] = tmp[i];
+          }
+        }
+        T::pack_group(rows, dst + pc * 4, colsum + pc / T::VW);
       }
     }
   }
   if constexpr (T::kUnsignedX)
-    for (int64_t i = 0; i < kTileCols / 4; ++i)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(corr + 4 * i), _mm_slli_epi32(colsum[i], 7));
+    for (int64_t i = 0; i < kTileCols / T::VW; ++i) T::store_corr(colsum[i], corr + i * T::VW);
 }
 
 // acc[i][j] = dot products of MR prepared x rows with CW = NV * VW packed columns at wp.
@@ -158,8 +147,10 @@ inline __m256 not_finite8(__m256 v) {
   return _mm256_cmp_ps(abs, _mm256_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
 }
 
-// One row's epilogue from its dequantized C [kTileCols] (padding columns are 0).
-inline bool finish_row(const TileArgs& a, const float* c, float* out) {
+// One row's epilogue from its dequantized C [kTileCols] in packed order (padding columns are 0).
+inline bool finish_row(const TileArgs& a, const float* packed, const int32_t* colmap, float* out) {
+  alignas(32) float c[kTileCols];
+  for (int64_t p = 0; p < kTileCols; ++p) c[colmap[p]] = packed[p];
   if (a.mode == Mode::kDequant) {
     std::memcpy(out, c, static_cast<size_t>(a.width) * sizeof(float));
     return true;
@@ -191,18 +182,17 @@ bool tile_simd(const TileArgs& a, int64_t* bad_row) {
   const int64_t steps = (a.k + T::KPER - 1) / T::KPER;
   uint8_t* pk = thread_buffer(static_cast<size_t>(steps * kStepBytes));
   alignas(64) int32_t corr[kTileCols] = {};
-  pack_tile<T>(a, steps, pk, corr);
+  int32_t colmap[kTileCols];
+  pack_tile<T>(a, steps, pk, corr, colmap);
 
   // Per packed column: its weight scale (0 for padding, so padding C is exactly 0).
-  alignas(64) float wsp[kTileCols] = {};
+  alignas(64) float wsp[kTileCols];
   const bool swiglu = a.mode == Mode::kSwiglu;
-  if (swiglu) {
-    for (int64_t j = 0; j < a.width; ++j) {
-      wsp[j] = a.w_scale[a.col0 + j];
-      wsp[kHalfCols + j] = a.w_scale[a.n / 2 + a.col0 + j];
-    }
-  } else {
-    for (int64_t j = 0; j < a.width; ++j) wsp[j] = a.w_scale[a.col0 + j];
+  for (int64_t p = 0; p < kTileCols; ++p) {
+    const int64_t nat = colmap[p];  // natural tile position
+    const int64_t seg = swiglu ? nat / kHalfCols : 0;
+    const int64_t j = swiglu ? nat % kHalfCols : nat;
+    wsp[p] = j < a.width ? a.w_scale[(seg ? a.n / 2 : 0) + a.col0 + j] : 0.0f;
   }
 
   constexpr int64_t CW = T::NV * T::VW;  // columns per micro-kernel call
@@ -231,7 +221,7 @@ bool tile_simd(const TileArgs& a, int64_t* bad_row) {
         }
     }
     for (int i = 0; i < mr; ++i) {
-      if (!finish_row(a, cbuf[i], a.out + (r0 + i) * a.ldo)) {
+      if (!finish_row(a, cbuf[i], colmap, a.out + (r0 + i) * a.ldo)) {
         *bad_row = r0 + i;
         return false;
       }
