@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: MIT
 """Exports the tiny random-weight MoE language models under ``tests/fixtures/moe/``.
 
-Every fixture is a causal LM ``(input_ids int64 [1, S], attention_mask int64 [1, S]) -> logits
-float32 [1, S, V]`` (no KV cache), built in code from a config (no weight downloads), one decoder
+Every fixture is a causal LM ``(input_ids int64 [B, S], attention_mask int64 [B, S]) -> logits
+float32 [B, S, V]`` (no KV cache), built in code from a config (no weight downloads), one decoder
 layer whose MLP is a mixture of experts, head_dim 64 (so the attention fusion applies too),
 hidden 128, top-2. Beside each ``<name>.onnx`` the script writes ``<name>.npz`` holding a probe
 ``input_ids`` and the torch model's logits for it: the com.microsoft ``MoE`` fixture cannot run on
@@ -104,11 +104,13 @@ class _LogitsOnly:
         return Wrapper(model).eval()
 
 
-def _sample(seq: int = 8):
+def _sample(seq: int = 8, batch: int = 2):
+    # batch 2: torch.export specializes a dimension whose example size is 1, and the verify /
+    # attention checks run batches of prompts.
     import torch
 
     g = torch.Generator().manual_seed(1234)
-    ids = torch.randint(3, VOCAB, (1, seq), generator=g)
+    ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
     return ids, torch.ones_like(ids)
 
 
@@ -117,10 +119,10 @@ def export_torch_dynamo(model, path: pathlib.Path, experts: str) -> None:
 
     model.set_experts_implementation(experts)
     ids, mask = _sample()
-    seq = torch.export.Dim("S", min=1, max=512)
+    batch, seq = torch.export.Dim("B", min=1, max=64), torch.export.Dim("S", min=1, max=512)
     prog = torch.onnx.export(_LogitsOnly(model), (ids, mask), dynamo=True,
                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                             dynamic_shapes=({1: seq}, {1: seq}))
+                             dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
     prog.save(str(path))
 
 
@@ -131,7 +133,7 @@ def export_torch_legacy(model, path: pathlib.Path, experts: str) -> None:
     ids, mask = _sample()
     torch.onnx.export(_LogitsOnly(model), (ids, mask), str(path), dynamo=False,
                       input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                      dynamic_axes={"input_ids": {1: "S"}, "attention_mask": {1: "S"}},
+                      dynamic_axes={"input_ids": {0: "B", 1: "S"}, "attention_mask": {0: "B", 1: "S"}},
                       opset_version=18)
 
 

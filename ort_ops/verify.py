@@ -115,3 +115,55 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         "prompts": [dataclasses.asdict(r) for r in reports],
         "rewritten_interface": "paged" if paged_metadata(p_rew) else "dense",
     }
+
+
+# --- teacher-forced agreement (added by the MoE rewrite, issue 8) -------------------------------
+# Free-running agreement above counts every position after the first differing token as a
+# disagreement. On tiny random-weight models (flat next-token distributions) one near-tie flipped
+# by INT8 rounding therefore decides a whole prompt's score. Teacher forcing scores each decision
+# on the original's own context, so a flip costs one position.
+
+
+def teacher_forced_agreement(original, rewritten, prompts, *, max_new_tokens: int = 32,
+                             eos_token_id: int | None = None, tie_margin: float = 0.0) -> dict:
+    """Greedy continuation of each prompt by the original; the rewritten model then reads
+    prompt + continuation in one dense forward and picks its next token at every position.
+
+    Args:
+        original, rewritten: paths or ModelProtos; ``rewritten`` must be dense (not paged).
+        prompts: token id lists.
+        eos_token_id: the stop token (stop decisions = EOS chosen or not).
+        tie_margin: stop decisions are compared only where the original's EOS logit is further
+            than this from its best other logit (a closer call is a tie for rounding to break).
+
+    Returns:
+        {"agreement": matching / positions, "positions": int, "stop_decisions_match": bool,
+         "per_prompt": [{"prompt_len", "agree", "positions", "stop_mismatches"}]}.
+    """
+    from ort_ops.runtime import DenseRunner, _load_proto, generate, paged_metadata
+
+    p_rew = _load_proto(rewritten)
+    if paged_metadata(p_rew):
+        raise ValueError("ort_ops.verify: teacher forcing needs a dense rewritten model (rewrite with --no-attention)")
+    gens = generate(original, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                    with_library=False)
+    orig_runner = DenseRunner(_load_proto(original), with_library=False)
+    rew_runner = DenseRunner(p_rew, with_library=True)
+    per, agree, total, stop_ok = [], 0, 0, True
+    for p, g in zip(prompts, gens):
+        want = np.array(g.tokens, np.int64)
+        ctx = np.array([list(p) + g.tokens[:-1]], np.int64)
+        mask = np.ones_like(ctx)
+        ref = orig_runner.run(ctx, mask, None)[0][0, len(p) - 1:].astype(np.float32)
+        got = rew_runner.run(ctx, mask, None)[0][0, len(p) - 1:].argmax(-1)
+        n_agree = int(np.sum(got == want))
+        mism = 0
+        if eos_token_id is not None:
+            gap = ref[:, eos_token_id] - np.delete(ref, eos_token_id, axis=1).max(axis=1)
+            clear = np.abs(gap) > tie_margin
+            mism = int(np.sum(((got == eos_token_id) != (want == eos_token_id)) & clear))
+        stop_ok &= mism == 0
+        agree, total = agree + n_agree, total + len(want)
+        per.append({"prompt_len": len(p), "agree": n_agree, "positions": len(want), "stop_mismatches": mism})
+    return {"agreement": agree / total if total else 1.0, "positions": total,
+            "stop_decisions_match": bool(stop_ok), "per_prompt": per}

@@ -47,6 +47,7 @@ A candidate that fails any step stays unfused and correct, with the reason in th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from typing import Iterable
@@ -953,7 +954,7 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
         except Exception as e:  # the original model itself fails on a probe: nothing is provable
             probe_error = ("the original model fails on probe inputs (a 1-token or longer prompt): a graph "
                            "specialized to its example input, e.g. a trace of the experts it hit, cannot be "
-                           f"fused ({str(e).splitlines()[0][:160]})")
+                           f"fused ({str(e).splitlines()[0][:300]})")
         blocks = []
         for c in cands:
             if probe_error:
@@ -979,4 +980,9 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
             model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
             RemoveUnusedNodesPass()(model)
     result.details["blocks"] = blocks_info
+    # For ``ort-ops rewrite``'s one-line summary: blocks per form, and the expert weight bytes.
+    result.details["forms"] = dict(collections.Counter(b["form"].split(":")[0].split(" (")[0] for b in blocks_info))
+    if blocks_info:
+        result.details["forms"]["expert weight bytes"] = "{} -> {}".format(
+            sum(b["weight_bytes_before"] for b in blocks_info), sum(b["weight_bytes_after"] for b in blocks_info))
     return result
