@@ -1,0 +1,247 @@
+# SPDX-License-Identifier: MIT
+"""A whole MoE layer on the CPU: the ort-ops INT8 chain against ONNX Runtime's own paths.
+
+Layer: hidden H = 2048, intermediate I = 1408 (N = 2816 for the SwiGLU GEMM), SwiGLU experts,
+softmax router with top-k and renormalized weights; E experts top-k in {8x2, 64x8}; tokens T in
+{1, 16, 128, 512}. Every model takes x [T, H] and the router logits [T, E] (com.microsoft.MoE's
+interface) and runs on ORT's CPU EP with the same intra-op thread count:
+
+  ours        Softmax/TopK, MoeInitRouting, DynamicQuant, GroupedMatmulSwigluQuant,
+              GroupedMatmulDequant, MoeFinalizeRouting (ort_ops.ops.moe_layer.build_moe_int8_model)
+  moe_fp32    com.microsoft.MoE, float32 weights (interleaved SwiGLU, alpha 1, beta 0, no limit)
+  qmoe8_ch    com.microsoft.QMoE, 8-bit weights, per-output-channel scales (float activations)
+  qmoe8_b128  com.microsoft.QMoE, 8-bit weights, block-128 scales
+  onnx_fp32   plain ONNX: per expert NonZero/Gather, MatMul, Sigmoid/Mul/Mul, MatMul, ScatterND add
+
+Reported: median and p90 ms over --repeats runs after warm-up, the ratio of the fastest stock
+path (MoE / QMoE / plain ONNX) to ours, and one correctness check before timing: each model's
+relative L2 against the float64 numpy layer (ort_ops.ops.moe_layer.moe_layer_float) on T <= 16.
+Models over 2 GB keep their weights as external data in a temporary directory. The machine is
+shared: run it quietly for numbers that mean something. Benchmarks never assert.
+
+    python benchmarks/bench_moe.py [--experts 8x2,64x8] [--tokens 1,16,128,512] [--repeats 5]
+                                   [--threads N] [--skip onnx_fp32,...] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN = 2048
+INTER = 1408
+PATHS = ["ours", "moe_fp32", "qmoe8_ch", "qmoe8_b128", "onnx_fp32"]
+
+
+def _model(nodes, inits, h, e, opsets):
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = helper.make_graph(nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", h]),
+                                         helper.make_tensor_value_info("router_logits", TensorProto.FLOAT, ["T", e])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", h])],
+                          [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    return helper.make_model(g, ir_version=10, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+
+
+def _interleave(w_gate_up, inter):
+    """[E, H, 2I] (gate columns, then up) -> ORT's [E, 2I, H] with gate/up rows interleaved."""
+    t = w_gate_up.transpose(0, 2, 1)
+    out = np.empty_like(t)
+    out[:, 0::2] = t[:, :inter]
+    out[:, 1::2] = t[:, inter:]
+    return np.ascontiguousarray(out)
+
+
+def _q8(w, block):
+    """Symmetric 8-bit [E, N, K] -> (uint8 codes + 128, float32 scales [E, N] or [E, N, K/block])."""
+    e, n, k = w.shape
+    wb = w.reshape(e, n, k // block, block) if block > 0 else w[..., None, :]
+    sc = (np.abs(wb).max(-1) / 127.0).astype(np.float32)
+    q = np.clip(np.rint(wb / np.where(sc > 0, sc, 1)[..., None]), -127, 127).reshape(e, n, k)
+    return (q + 128).astype(np.uint8), (sc if block > 0 else sc[..., 0])
+
+
+def stock_moe_model(w, k, op, block=0):
+    from onnx import helper
+
+    e, h, n2 = w.w_gate_up.shape
+    fc1 = _interleave(w.w_gate_up, n2 // 2)
+    fc2 = np.ascontiguousarray(w.w_down.transpose(0, 2, 1))
+    attrs = dict(k=k, normalize_routing_weights=1, activation_type="swiglu", swiglu_fusion=1,
+                 activation_alpha=1.0, activation_beta=0.0, swiglu_limit=3.0e38)
+    if op == "MoE":
+        inits, ins = {"fc1": fc1, "fc2": fc2}, ["x", "router_logits", "fc1", "", "fc2"]
+    else:
+        q1, s1 = _q8(fc1, block)
+        q2, s2 = _q8(fc2, block)
+        inits, ins = {"fc1": q1, "s1": s1, "fc2": q2, "s2": s2}, ["x", "router_logits", "fc1", "s1", "", "fc2", "s2"]
+        attrs["expert_weight_bits"] = 8
+        if block > 0:
+            attrs["block_size"] = block
+    node = helper.make_node(op, ins, ["out"], domain="com.microsoft", **attrs)
+    return _model([node], inits, h, e, [("", 20), ("com.microsoft", 1)])
+
+
+def plain_onnx_model(w, k):
+    """The layer as exporters write it: per expert, the tokens routed to it are gathered, run
+    through MatMul -> Split -> Sigmoid/Mul/Mul -> MatMul, weighted and scatter-added back."""
+    from onnx import TensorProto, helper
+
+    e, h, n2 = w.w_gate_up.shape
+    i = n2 // 2
+    inits = {"k": np.array([k], np.int64), "ax1": np.array([1], np.int64), "ax0": np.array([0], np.int64),
+             "zero": np.zeros((), np.float32), "split": np.array([i, i], np.int64)}
+    nodes = [helper.make_node("Softmax", ["router_logits"], ["probs"], axis=-1),
+             helper.make_node("TopK", ["probs", "k"], ["tv", "ti"], axis=-1),
+             helper.make_node("ReduceSum", ["tv", "ax1"], ["ts"], keepdims=1),
+             helper.make_node("Div", ["tv", "ts"], ["tw"]),
+             helper.make_node("Mul", ["x", "zero"], ["acc0"])]
+    for ex in range(e):
+        p = f"e{ex}_"
+        inits[p + "id"] = np.array(ex, np.int64)
+        inits[p + "gu"] = np.ascontiguousarray(w.w_gate_up[ex])
+        inits[p + "d"] = np.ascontiguousarray(w.w_down[ex])
+        nodes += [
+            helper.make_node("Equal", ["ti", p + "id"], [p + "m"]),
+            helper.make_node("Cast", [p + "m"], [p + "mf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["tw", p + "mf"], [p + "wm"]),
+            helper.make_node("ReduceSum", [p + "wm", "ax1"], [p + "w"], keepdims=0),
+            helper.make_node("ReduceMax", [p + "mf", "ax1"], [p + "sel"], keepdims=0),
+            helper.make_node("Greater", [p + "sel", "zero"], [p + "b"]),
+            helper.make_node("NonZero", [p + "b"], [p + "nz"]),
+            helper.make_node("Squeeze", [p + "nz", "ax0"], [p + "idx"]),
+            helper.make_node("Gather", ["x", p + "idx"], [p + "x"], axis=0),
+            helper.make_node("MatMul", [p + "x", p + "gu"], [p + "c"]),
+            helper.make_node("Split", [p + "c", "split"], [p + "g", p + "u"], axis=1),
+            helper.make_node("Sigmoid", [p + "g"], [p + "sg"]),
+            helper.make_node("Mul", [p + "g", p + "sg"], [p + "silu"]),
+            helper.make_node("Mul", [p + "silu", p + "u"], [p + "hh"]),
+            helper.make_node("MatMul", [p + "hh", p + "d"], [p + "y"]),
+            helper.make_node("Gather", [p + "w", p + "idx"], [p + "wi"], axis=0),
+            helper.make_node("Unsqueeze", [p + "wi", "ax1"], [p + "wc"]),
+            helper.make_node("Mul", [p + "y", p + "wc"], [p + "yw"]),
+            helper.make_node("Unsqueeze", [p + "idx", "ax1"], [p + "ix"]),
+            helper.make_node("ScatterND", [f"acc{ex}", p + "ix", p + "yw"],
+                             ["out" if ex == e - 1 else f"acc{ex + 1}"], reduction="add"),
+        ]
+    return _model(nodes, inits, h, e, [("", 20)])
+
+
+def session(model, threads, tmpdir, custom_ops):
+    import onnx
+    import onnxruntime as ort
+
+    from ort_ops._lib import session_options
+
+    so = session_options(intra_op_threads=threads) if custom_ops else ort.SessionOptions()
+    if not custom_ops:
+        so.intra_op_num_threads = threads
+    size = sum(t.ByteSize() for t in model.graph.initializer)
+    if size < (1 << 31) - (1 << 24):
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    path = os.path.join(tmpdir, f"model_{time.monotonic_ns()}.onnx")
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=os.path.basename(path) + ".data")
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def time_runs(sess, feeds, repeats):
+    sess.run(None, feeds)  # warm-up (first-run allocations, pre-packing)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts)), float(np.percentile(ts, 90))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experts", default="8x2,64x8", help="comma list of EXPERTSxTOPK")
+    ap.add_argument("--tokens", default="1,16,128,512")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip", default="", help=f"comma list of paths to leave out, from {PATHS}")
+    ap.add_argument("--csv", default=None)
+    args = ap.parse_args(argv)
+
+    from ort_ops.ops import moe_layer as ml
+
+    skip = set(filter(None, args.skip.split(",")))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    print(f"CPU MoE layer, hidden {HIDDEN}, intermediate {INTER}, {args.threads} threads, "
+          f"{args.repeats} repeats; ms (median / p90); err = rel. L2 vs float64 layer")
+    with tempfile.TemporaryDirectory(prefix="bench_moe_") as tmpdir:
+        for cfg in args.experts.split(","):
+            e, k = (int(v) for v in cfg.split("x"))
+            rng = np.random.default_rng(0)
+            w = ml.random_moe_weights(rng, HIDDEN, INTER, e)
+            builders = {
+                "ours": lambda: (ml.build_moe_int8_model(ml.quantize_moe_weights(w), k), True),
+                "moe_fp32": lambda: (stock_moe_model(w, k, "MoE"), False),
+                "qmoe8_ch": lambda: (stock_moe_model(w, k, "QMoE"), False),
+                "qmoe8_b128": lambda: (stock_moe_model(w, k, "QMoE", block=128), False),
+                "onnx_fp32": lambda: (plain_onnx_model(w, k), False),
+            }
+            xs = {t: rng.standard_normal((t, HIDDEN)).astype(np.float32) for t in tokens}
+            feeds = {t: {"x": x, "router_logits": (x @ w.router).astype(np.float32)} for t, x in xs.items()}
+            check_t = min(tokens, key=lambda t: abs(t - 16))
+            want = ml.moe_layer_float(xs[check_t], w, k)
+            res = {}
+            for name in PATHS:
+                if name in skip:
+                    continue
+                try:
+                    model, custom = builders[name]()
+                    sess = session(model, args.threads, tmpdir, custom)
+                    del model
+                    got = sess.run(None, feeds[check_t])[0]
+                    err = ml.relative_l2(got, want)
+                    for t in tokens:
+                        res[(name, t)] = (*time_runs(sess, feeds[t], args.repeats), err)
+                    del sess
+                except Exception as ex:  # a path this ORT build does not run: report, go on
+                    print(f"  {name} E{e} top-{k}: not run ({str(ex).splitlines()[0][:160]})")
+                gc.collect()
+            print(f"\nE={e} top-{k}")
+            print(f"{'tokens':>6} " + " ".join(f"{n:>19}" for n in PATHS if n not in skip) + "   best stock / ours")
+            for t in tokens:
+                line = f"{t:>6} "
+                for n in PATHS:
+                    if n in skip:
+                        continue
+                    r = res.get((n, t))
+                    line += f"{r[0]:8.2f}/{r[1]:6.2f} {r[2]*100:3.1f}%" if r else f"{'-':>19}"
+                    line += " "
+                stock = [res[(n, t)][0] for n in PATHS[1:] if (n, t) in res]
+                ratio = min(stock) / res[("ours", t)][0] if stock and ("ours", t) in res else float("nan")
+                print(line + f"  {ratio:6.2f}x")
+                for n in PATHS:
+                    if (n, t) in res:
+                        med, p90, err = res[(n, t)]
+                        rows.append(dict(experts=e, top_k=k, tokens=t, path=n, median_ms=round(med, 3),
+                                         p90_ms=round(p90, 3), rel_l2=round(err, 5),
+                                         best_stock_over_ours=round(ratio, 3) if n == "ours" else ""))
+            del w, builders
+            gc.collect()
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+        print(f"wrote {args.csv}")
+
+
+if __name__ == "__main__":
+    main()
