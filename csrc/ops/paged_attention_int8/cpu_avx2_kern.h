@@ -8,9 +8,12 @@
 //   and |k| <= 128: pair sums <= 2 * 128 * 127 = 32512 < 32767, no int16 saturation, for any
 //   int8 in the cache. Then _mm256_madd_epi16 by 1 widens to int32.
 // - P.V s8: W codes 0..127 are the unsigned operand of maddubs: pair sums <= 2 * 127 * 128.
-// - P.V u8: W codes 0..255 must NOT go through maddubs (2 * 255 * 127 = 64770 saturates int16,
-//   the bug of ORT's own MatMulInteger on AVX2): codes and V are widened to int16 and
-//   multiplied by _mm256_madd_epi16 (products fit int16 inputs, sums are int32).
+// - P.V u8: W codes 0..255 must NOT go through maddubs whole (2 * 255 * 127 = 64770 saturates
+//   int16, the bug of ORT's own MatMulInteger on AVX2): each code is split into c >> 1 and
+//   c & 1 (both <= 127) and the two exact products are combined in int32 (x2 and x1).
+// - P.V needs no horizontal sums: 8 output dims' 32-token V slices are transposed as 32-bit
+//   lanes (4 tokens each), so lane j of a product accumulates dim j, and each row's 4-code
+//   word is broadcast.
 #pragma once
 
 #include <immintrin.h>
@@ -280,27 +283,34 @@ struct Avx2Kern {
       }
       return;
     }
-    // codes 0..255: widen both sides to int16 and use madd (no 16-bit saturation).
-    alignas(32) int16_t vw[256 * kGroup];
-    for (int64_t dd = 0; dd < d; ++dd) {
-      const int8_t* src = v + dd * stride;
-      _mm256_store_si256(reinterpret_cast<__m256i*>(vw + dd * kGroup),
-                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(vw + dd * kGroup + 16),
-                         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m128i* cw = reinterpret_cast<const __m128i*>(codes + r * kGroup);
-      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(cw));
-      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(cw + 1));
+    // codes 0..255 must not meet maddubs whole (2 * 255 * 127 saturates int16). Split each code
+    // as c = 2 * (c >> 1) + (c & 1): both halves are <= 127, so two exact maddubs passes give
+    // sum c * v = 2 * sum (c >> 1) * v + sum (c & 1) * v.
+    alignas(32) uint8_t split[2 * kMaxRows * kGroup];  // per row: 32 codes >> 1, then 32 codes & 1
+    const int64_t nr = rows < kMaxRows ? rows : kMaxRows;
+    for (int64_t r0 = 0; r0 < rows; r0 += nr) {
+      const int64_t rn = rows - r0 < nr ? rows - r0 : nr;
+      for (int64_t r = 0; r < rn; ++r) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (r0 + r) * kGroup));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(split + 2 * r * kGroup),
+                           _mm256_and_si256(_mm256_srli_epi16(w, 1), _mm256_set1_epi8(0x7f)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(split + (2 * r + 1) * kGroup),
+                           _mm256_and_si256(w, _mm256_set1_epi8(1)));
+      }
+      const __m256i ones = _mm256_set1_epi16(1), twos = _mm256_set1_epi16(2);
       for (int64_t d0 = 0; d0 < d; d0 += 8) {
-        __m256i acc[8];
-        for (int j = 0; j < 8; ++j) {
-          const __m256i* row = reinterpret_cast<const __m256i*>(vw + (d0 + j) * kGroup);
-          acc[j] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_load_si256(row)),
-                                    _mm256_madd_epi16(w1, _mm256_load_si256(row + 1)));
+        __m256i c[8];
+        load_v_octet(v, stride, d0, c);
+        for (int64_t r = 0; r < rn; ++r) {
+          const uint8_t* hi = split + 2 * r * kGroup;
+          const uint8_t* lo = hi + kGroup;
+          __m256i acc = _mm256_setzero_si256();
+          for (int k = 0; k < 8; ++k) {
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(bcast_codes(hi, k), c[k]), twos));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(bcast_codes(lo, k), c[k]), ones));
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + (r0 + r) * ldi + d0), acc);
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), reduce8_epi32(acc));
       }
     }
   }
