@@ -204,6 +204,7 @@ def emulate_kv_int8(model: onnx.ModelProto) -> onnx.ModelProto:
 
     m = ir.serde.deserialize_model(model)
     past = _find_past(m)
+    axes_as_input = m.opset_imports.get("", 1) >= 18  # ReduceMax takes axes as an input from 18
 
     def c(val, dt=np.float32):
         return ir.node("Constant", [], attributes={"value": ir.tensor(np.array(val, dt))})
@@ -214,7 +215,10 @@ def emulate_kv_int8(model: onnx.ModelProto) -> onnx.ModelProto:
         new = node.inputs[1]
         n127, axes = c(127.0), c([-1], np.int64)
         absn = ir.node("Abs", [new])
-        amax = ir.node("ReduceMax", [absn.outputs[0], axes.outputs[0]], attributes={"keepdims": 1})
+        if axes_as_input:
+            amax = ir.node("ReduceMax", [absn.outputs[0], axes.outputs[0]], attributes={"keepdims": 1})
+        else:
+            amax = ir.node("ReduceMax", [absn.outputs[0]], attributes={"keepdims": 1, "axes": [-1]})
         inv = ir.node("Div", [n127.outputs[0], amax.outputs[0]])  # 127 / amax first (the contract)
         mul = ir.node("Mul", [new, inv.outputs[0]])
         rnd = ir.node("Round", [mul.outputs[0]])  # half to even

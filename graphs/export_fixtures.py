@@ -192,6 +192,10 @@ def export(name: str, out_dir: Path) -> Path:
     else:
         raise ValueError(f"export_fixtures: unknown form '{name}', expected one of {FORMS}")
     m = onnx.load(str(out))
+    # Exporters annotate every node with stack traces and module paths (~half the file): drop them.
+    for node in m.graph.node:
+        del node.metadata_props[:]
+        node.doc_string = ""
     onnx.helper.set_model_props(m, {"ort_ops.fixture_form": name,
                                     "ort_ops.generated_by": "graphs/export_fixtures.py",
                                     "ort_ops.eos_token_id": "2"})

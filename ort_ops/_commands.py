@@ -84,13 +84,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"verify {args.rewritten} ({report['rewritten_interface']}) against {args.original}")
-        print(f"  {'prompt':>6} {'agree':>6} {'logit err':>9} {'len o/r':>8} {'eos':>4}")
+        print(f"  {'prompt':>6} {'len':>4} {'agree':>6} {'logit err':>9} {'stop':>5} {'free agree':>10} "
+              f"{'free len o/r':>12}")
         for i, p in enumerate(report["prompts"]):
-            print(f"  {i:>6} {p['token_agreement']:>6.3f} {p['logits_max_abs_err']:>9.4f} "
-                  f"{len(p['tokens_original']):>3}/{len(p['tokens_rewritten']):<4} "
-                  f"{'ok' if p['eos_match'] else 'DIFF':>4}")
-        print(f"  overall: token_agreement {o['token_agreement']:.3f}, logits_max_abs_err "
+            fr = p["free_running"]
+            print(f"  {i:>6} {p['prompt_len']:>4} {p['token_agreement']:>6.3f} {p['logits_max_abs_err']:>9.4f} "
+                  f"{'ok' if p['length_match'] and p['eos_match'] else 'DIFF':>5} {fr['token_agreement']:>10.3f} "
+                  f"{len(p['tokens_original']):>6}/{len(fr['tokens']):<5}")
+        print(f"  overall (teacher-forced): token_agreement {o['token_agreement']:.3f}, logits_max_abs_err "
               f"{o['logits_max_abs_err']:.4f}, length_match {o['length_match']}, eos_match {o['eos_match']}")
+        f = o["free_running"]
+        print(f"  free-running: token_agreement {f['token_agreement']:.3f}, length_match {f['length_match']}, "
+              f"eos_match {f['eos_match']}")
         print(f"  {'PASS' if ok else 'FAIL'} (token_agreement >= {args.min_agreement}, lengths and EOS match)")
     return 0 if ok else 1
 

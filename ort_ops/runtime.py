@@ -328,7 +328,11 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits, progress):
+def _limit(forced, i, max_new_tokens):
+    return max_new_tokens if forced is None else len(forced[i])
+
+
+def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits, progress, forced=None):
     ids = [f"seq{i}" for i in range(len(prompts))]
     results = [Generation([], False, [] if keep_logits else None) for _ in prompts]
     active = {}
@@ -349,13 +353,14 @@ def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits
                 r.tokens.append(tok)
                 if keep_logits:
                     r.logits.append(logits[row])
-                if eos is not None and tok in eos:
+                step = len(r.tokens)
+                if forced is None and eos is not None and tok in eos:
                     r.stopped_by_eos = True
                     runner.release(sid)
-                elif len(r.tokens) >= max_new_tokens:
+                elif step >= _limit(forced, i, max_new_tokens):
                     runner.release(sid)
                 else:
-                    nxt[sid] = [tok]
+                    nxt[sid] = [tok if forced is None else forced[i][step - 1]]
             batch = nxt
             bar.update()
     finally:
@@ -365,7 +370,8 @@ def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits
     return results
 
 
-def _greedy_dense(runner: DenseRunner, prompts, max_new_tokens, eos, keep_logits, progress, pad_id=0):
+def _greedy_dense(runner: DenseRunner, prompts, max_new_tokens, eos, keep_logits, progress, forced=None,
+                  pad_id=0):
     b = len(prompts)
     longest = max(len(p) for p in prompts)
     ids = np.full((b, longest), pad_id, np.int64)
@@ -389,10 +395,12 @@ def _greedy_dense(runner: DenseRunner, prompts, max_new_tokens, eos, keep_logits
             results[i].tokens.append(tok)
             if keep_logits:
                 results[i].logits.append(last[i])
-            if eos is not None and tok in eos:
+            if forced is not None:
+                nxt[i] = forced[i][len(results[i].tokens) - 1] if len(results[i].tokens) <= len(forced[i]) else pad_id
+            if forced is None and eos is not None and tok in eos:
                 results[i].stopped_by_eos = True
                 done[i] = True
-            elif len(results[i].tokens) >= max_new_tokens:
+            elif len(results[i].tokens) >= _limit(forced, i, max_new_tokens):
                 done[i] = True
         bar.update()
         if done.all():
@@ -410,7 +418,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              eos_token_id: int | Iterable[int] | None = None, num_blocks: int | None = None,
              return_logits: bool = False, providers: Sequence[str] = ("CPUExecutionProvider",),
              with_library: bool | None = None, progress: bool | None = False,
-             intra_op_threads: int | None = None) -> list[Generation]:
+             intra_op_threads: int | None = None, forced_tokens: Sequence[Sequence[int]] | None = None
+             ) -> list[Generation]:
     """Greedy decoding of a batch of prompts of different lengths.
 
     A paged model (``ort-ops rewrite`` output) runs on the paged KV cache: all prompts are
@@ -427,6 +436,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         return_logits: keep each step's logits [V] in the results.
         with_library: register the ort-ops library (default: when the model uses its domain).
         progress: a progress bar on stderr (None: when stderr is a terminal).
+        forced_tokens: teacher forcing: per prompt, the tokens to feed after each step instead of
+            the model's own choice (e.g. another model's output); the model's argmax is still
+            what ``tokens`` records, no EOS stop, and it runs len(forced_tokens[i]) steps.
 
     Returns:
         One Generation per prompt: new tokens (the EOS included when it stopped on it),
@@ -438,6 +450,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         raise ValueError("ort_ops.generate: every prompt needs at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"ort_ops.generate: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if forced_tokens is not None:
+        forced_tokens = [list(map(int, f)) for f in forced_tokens]
+        if len(forced_tokens) != len(prompts) or any(len(f) == 0 for f in forced_tokens):
+            raise ValueError("ort_ops.generate: forced_tokens needs one non-empty list per prompt")
+        max_new_tokens = max(len(f) for f in forced_tokens)
     eos = None if eos_token_id is None else set([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
     meta = paged_metadata(proto)
     if meta is not None:
@@ -445,14 +462,14 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
         runner = PagedRunner(proto, num_blocks=num_blocks or need, providers=providers,
                              intra_op_threads=intra_op_threads)
-        results = _greedy_paged(runner, prompts, max_new_tokens, eos, return_logits, progress)
+        results = _greedy_paged(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens)
     else:
         from ort_ops._domain import DOMAIN
 
         uses_lib = any(o.domain == DOMAIN for o in proto.opset_import)
         runner = DenseRunner(proto, providers=providers, intra_op_threads=intra_op_threads,
                              with_library=uses_lib if with_library is None else with_library)
-        results = _greedy_dense(runner, prompts, max_new_tokens, eos, return_logits, progress)
+        results = _greedy_dense(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens)
     for r in results:
         if return_logits:
             r.logits = np.stack(r.logits) if r.logits else np.zeros((0, 0), np.float32)

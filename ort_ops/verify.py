@@ -4,13 +4,19 @@
 Both models greedily decode the same prompts (different lengths, one batch): the original on
 stock onnxruntime in fp32 (left-padded batch, past/present fed back), the rewritten one with the
 runtime (paged KV cache when it is paged; otherwise the same loop with the library registered).
-Per prompt and overall:
+The rewritten model runs twice: teacher-forced on the original's tokens (every step sees the
+same context, so one near-tie does not shift everything after it) and free-running.
+Per prompt and overall (teacher-forced, what ``--min-agreement`` judges):
 
-    token_agreement     matching tokens / positions (position-wise over the longer output)
-    logits_max_abs_err  max |logits_orig - logits_rewritten| over the steps whose contexts are
-                        still identical (up to and including the first differing token)
-    length_match        both produced the same number of tokens
-    eos_match           both stopped on EOS, or neither did
+    token_agreement     share of steps where the rewritten model's greedy token is the original's
+    logits_max_abs_err  max |logits_orig - logits_rewritten| over all steps (same contexts)
+    length_match        the rewritten model, fed the original's tokens, stops at the same step
+                        (picks EOS where the original did and nowhere before; or never, when the
+                        original ran to max_new_tokens)
+    eos_match           both stop on EOS, or neither does
+
+``free_running`` holds the same three checks for the rewritten model decoding on its own
+(token agreement position-wise over the longer output).
 """
 
 from __future__ import annotations
@@ -26,11 +32,12 @@ DEFAULT_PROMPT_LENGTHS = (5, 11, 17, 23)
 class PromptReport:
     prompt_len: int
     tokens_original: list
-    tokens_rewritten: list
+    tokens_rewritten: list  # teacher-forced greedy choices
     token_agreement: float
     logits_max_abs_err: float
     length_match: bool
     eos_match: bool
+    free_running: dict
 
 
 def make_prompts(vocab: int, lengths=DEFAULT_PROMPT_LENGTHS, seed: int = 0, avoid=()) -> list[list[int]]:
@@ -56,15 +63,32 @@ def vocab_size(model) -> int:
     return int(logits.shape[-1])
 
 
-def compare(orig, rew, eos) -> PromptReport:
-    a, b = orig.tokens, rew.tokens
+def _stop_step(tokens, eos) -> int | None:
+    """Index of the first EOS among ``tokens`` (None: none)."""
+    if eos is None:
+        return None
+    return next((j for j, t in enumerate(tokens) if t == eos), None)
+
+
+def compare(orig, forced, free, eos) -> PromptReport:
+    """orig: the original's free-running Generation; forced: the rewritten model teacher-forced
+    on orig.tokens; free: the rewritten model free-running."""
+    a, t = orig.tokens, forced.tokens
+    agree = sum(int(x == y) for x, y in zip(a, t)) / len(a) if a else 1.0
+    err = float(np.max(np.abs(orig.logits - forced.logits))) if len(a) else 0.0
+    stop_o = len(a) - 1 if orig.stopped_by_eos else None
+    stop_t = _stop_step(t, eos)
+    eos_match = (stop_o is None) == (stop_t is None)
+    length_match = stop_o == stop_t
+    b = free.tokens
     n = max(len(a), len(b))
-    same = sum(int(x == y) for x, y in zip(a, b))
-    k = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)) - 1)
-    k = max(k, 0)
-    err = float(np.max(np.abs(orig.logits[: k + 1] - rew.logits[: k + 1]))) if len(a) and len(b) else 0.0
-    return PromptReport(0, a, b, same / n if n else 1.0, err, len(a) == len(b),
-                        orig.stopped_by_eos == rew.stopped_by_eos)
+    free_report = {
+        "token_agreement": sum(int(x == y) for x, y in zip(a, b)) / n if n else 1.0,
+        "length_match": len(a) == len(b),
+        "eos_match": orig.stopped_by_eos == free.stopped_by_eos,
+        "tokens": b,
+    }
+    return PromptReport(0, a, t, agree, err, length_match, eos_match, free_report)
 
 
 def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_token_id=None,
@@ -92,15 +116,20 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
                                avoid=() if eos_token_id is None else (eos_token_id,))
     a = generate(p_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                  return_logits=True, with_library=False, progress=progress)
+    forced = generate(p_rew, prompts, forced_tokens=[x.tokens for x in a], return_logits=True,
+                      progress=progress)
     b = generate(p_rew, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                 return_logits=True, progress=progress)
+                 progress=progress)
     reports = []
-    for p, x, y in zip(prompts, a, b):
-        r = compare(x, y, eos_token_id)
+    for p, x, t, y in zip(prompts, a, forced, b):
+        r = compare(x, t, y, eos_token_id)
         r.prompt_len = len(p)
         reports.append(r)
-    positions = sum(max(len(r.tokens_original), len(r.tokens_rewritten)) for r in reports)
-    agree = sum(r.token_agreement * max(len(r.tokens_original), len(r.tokens_rewritten)) for r in reports)
+    positions = sum(len(r.tokens_original) for r in reports)
+    agree = sum(r.token_agreement * len(r.tokens_original) for r in reports)
+    free_pos = sum(max(len(r.tokens_original), len(r.free_running["tokens"])) for r in reports)
+    free_agree = sum(r.free_running["token_agreement"] * max(len(r.tokens_original), len(r.free_running["tokens"]))
+                     for r in reports)
     overall = {
         "token_agreement": agree / positions if positions else 1.0,
         "logits_max_abs_err": max(r.logits_max_abs_err for r in reports),
@@ -109,6 +138,11 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         "prompts": len(reports),
         "max_new_tokens": max_new_tokens,
         "eos_token_id": eos_token_id,
+        "free_running": {
+            "token_agreement": free_agree / free_pos if free_pos else 1.0,
+            "length_match": all(r.free_running["length_match"] for r in reports),
+            "eos_match": all(r.free_running["eos_match"] for r in reports),
+        },
     }
     return {
         "overall": overall,

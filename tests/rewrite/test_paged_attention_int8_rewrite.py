@@ -46,6 +46,7 @@ FORMS = {
 }
 KV_FIXTURES = [k for k, v in FORMS.items() if v[0] == "paged"]
 LAYERS = 2
+VOCAB = 128  # graphs/export_fixtures.py
 FLOAT_ATTENTION = {"Softmax", "Attention", "GroupQueryAttention", "MultiHeadAttention"}
 
 
@@ -95,7 +96,7 @@ def test_fixture_equals_emulated_kv_quantization(name):
     """qk_quant = pv_quant = none leaves K/V INT8 as the only change: the rewritten model must
     equal the original with that quantization emulated, prefill and decode, 3 prompts at once."""
     data, _ = _rewritten(name, "none", "none")
-    prompts = make_prompts(256, lengths=(4, 9, 18), seed=7)
+    prompts = make_prompts(VOCAB, lengths=(4, 9, 18), seed=7)
     emulated = emulate_kv_int8(onnx.load(_path(name)))
     a = generate(emulated, prompts, max_new_tokens=8, return_logits=True)
     b = generate(data, prompts, max_new_tokens=8, return_logits=True)
@@ -112,26 +113,46 @@ def test_fixture_greedy_agreement(name):
     data, _ = _rewritten(name)
     report = verify(_path(name), data, max_new_tokens=32, eos_token_id=None)
     o = report["overall"]
-    print(name, o)
+    print(name, o)  # free-running agreement is reported too; one near-tie shifts all after it
     assert report["rewritten_interface"] == "paged"
     assert o["token_agreement"] >= ATTN_REWRITE_GREEDY_AGREEMENT
     assert o["length_match"] and o["eos_match"]
+    assert o["free_running"]["length_match"] and o["free_running"]["eos_match"]
     assert o["logits_max_abs_err"] <= ATTN_REWRITE_LOGITS_ATOL
 
 
+def _confident_eos(ref) -> tuple[int, float]:
+    """The token to call EOS so that the original stops mid-way on some prompt, chosen where every
+    stop decision is clear: the largest, over candidates, of the smallest gap between the
+    candidate's logit and the best other one at any step before the original stops."""
+    best = (None, -1.0)
+    for c in sorted({t for r in ref for t in r.tokens}):
+        gaps, stops_early = [], False
+        for r in ref:
+            stop = r.tokens.index(c) if c in r.tokens else len(r.tokens) - 1
+            stops_early |= c in r.tokens and stop < len(r.tokens) - 1
+            lg = r.logits[: stop + 1]
+            other = np.max(np.delete(lg, c, axis=1), axis=1)
+            gaps.append(np.min(np.abs(lg[:, c] - other)))
+        if stops_early and min(gaps) > best[1]:
+            best = (c, float(min(gaps)))
+    return best
+
+
 def test_fixture_stops_where_the_original_stops():
-    """EOS = a token the original emits mid-way on one prompt: both models stop there, and the
-    others run to max_new_tokens."""
+    """EOS = a token the original emits mid-way: fed the original's tokens, the rewritten model
+    picks EOS at the same step and nowhere before, on every prompt; free-running it stops too."""
     name = "tx_sdpa_kv"
     data, _ = _rewritten(name)
-    prompts = make_prompts(256, lengths=(6, 13, 20), seed=3)
-    ref = generate(_path(name), prompts, max_new_tokens=24)
-    eos = ref[1].tokens[9]
+    prompts = make_prompts(VOCAB, lengths=(6, 13, 20), seed=3)
+    ref = generate(_path(name), prompts, max_new_tokens=24, return_logits=True)
+    eos, gap = _confident_eos(ref)
+    # a gap below the logits budget would be a coin toss of rounding, not a test of the rewrite
+    assert gap > ATTN_REWRITE_LOGITS_ATOL, (eos, gap)
     report = verify(_path(name), data, prompts=prompts, max_new_tokens=24, eos_token_id=eos)
     o = report["overall"]
     assert o["eos_match"] and o["length_match"], report["prompts"]
-    lengths = [len(p["tokens_rewritten"]) for p in report["prompts"]]
-    assert lengths[1] <= 10 and report["prompts"][1]["tokens_rewritten"][-1] == eos
+    assert any(p["tokens_rewritten"][-1] == eos and len(p["tokens_original"]) < 24 for p in report["prompts"])
 
 
 def test_prefill_form_left_padded_batch():
@@ -141,7 +162,7 @@ def test_prefill_form_left_padded_batch():
     data, _ = _rewritten(name)
     rew = DenseRunner(data, with_library=True)
     orig = DenseRunner(_path(name))
-    prompts = make_prompts(256, lengths=(3, 8, 13), seed=11)
+    prompts = make_prompts(VOCAB, lengths=(3, 8, 13), seed=11)
     longest = max(map(len, prompts))
     ids = np.zeros((len(prompts), longest), np.int64)
     mask = np.zeros_like(ids)
