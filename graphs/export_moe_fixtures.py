@@ -2,7 +2,7 @@
 """Exports the tiny random-weight MoE language models under ``tests/fixtures/moe/``.
 
 Every fixture is a causal LM ``(input_ids int64 [B, S], attention_mask int64 [B, S]) -> logits
-float32 [B, S, V]`` (no KV cache), built in code from a config (no weight downloads), one decoder
+float32 [B, S, V]`` (no KV cache, except the ``_kv`` one), built in code from a config (no weight downloads), one decoder
 layer whose MLP is a mixture of experts, head_dim 64 (so the attention fusion applies too),
 hidden 128, top-2. Beside each ``<name>.onnx`` the script writes ``<name>.npz`` holding a probe
 ``input_ids`` and the torch model's logits for it: the com.microsoft ``MoE`` fixture cannot run on
@@ -15,9 +15,11 @@ Forms (what the MoE fusion must handle; see ``ort_ops/rewrite/moe.py``):
                            batched MatMul, Split, SiLU * up, ReduceSum over slots.
   qwen2moe_dynamo_shared   the same form plus Qwen2-MoE's shared expert (dense SwiGLU MLP gated by
                            Sigmoid(Linear(h -> 1))), no renormalisation (norm_topk_prob=False).
-  qwen3moe_tfexport        transformers 5.x's own exporter, default experts: argsort by TopK,
+  qwen3moe_tfexport_kv     transformers 5.x's own exporter, default experts: argsort by TopK,
                            ScatterElements + CumSum offsets, per-expert unrolled Range / Gather /
-                           MatMul / Concat, inverse GatherND.
+                           MatMul / Concat, inverse GatherND; with a KV cache (input_ids,
+                           attention_mask, position_ids, past_key_values.* -> logits, present.*),
+                           so the full rewrite (MoE + paged attention) applies.
   mixtral_tfexport_ortcuda transformers' exporter with ort_fusions="cuda": one com.microsoft MoE
                            node, which stock ORT's CPU provider refuses (FC3 not implemented).
   mixtral_legacy_batched   the legacy TorchScript exporter, batched_mm (OneHot / Tile variants).
@@ -147,6 +149,29 @@ def export_transformers(model, path: pathlib.Path, ort_fusions: str | None) -> N
     ir.save(exported.program, str(path))
 
 
+def export_transformers_kv(model, path: pathlib.Path) -> None:
+    """transformers' exporter with a KV cache (past_key_values in, present out), the interface
+    ``ort-ops rewrite`` turns into a paged-attention decoder."""
+    import onnx_ir as ir
+    import torch
+    from transformers import DynamicCache
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    ids, mask = _sample()
+    past = 3
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    g = torch.Generator().manual_seed(7)
+    for i in range(cfg.num_hidden_layers):
+        shape = (ids.shape[0], cfg.num_key_value_heads, past, cfg.head_dim)
+        cache.update(torch.randn(shape, generator=g), torch.randn(shape, generator=g), i)
+    mask = torch.ones(ids.shape[0], past + ids.shape[1], dtype=torch.int64)
+    pos = torch.arange(past, past + ids.shape[1]).expand(ids.shape[0], -1)
+    exported = OnnxExporter().export(model, {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                                             "past_key_values": cache}, OnnxConfig(dynamic=True))
+    ir.save(exported.program, str(path))
+
+
 def _probe_logits(model, experts: str) -> tuple[np.ndarray, np.ndarray]:
     import torch
 
@@ -175,7 +200,7 @@ def _strip(path: pathlib.Path) -> None:
 FIXTURES = {
     "mixtral_dynamo_batched": (mixtral, lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
     "qwen2moe_dynamo_shared": (qwen2moe, lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
-    "qwen3moe_tfexport": (qwen3moe, lambda m, p: export_transformers(m, p, None)),
+    "qwen3moe_tfexport_kv": (qwen3moe, lambda m, p: export_transformers_kv(m, p)),
     "mixtral_tfexport_ortcuda": (mixtral, lambda m, p: export_transformers(m, p, "cuda")),
     "mixtral_legacy_batched": (mixtral, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
     "mixtral_legacy_eager": (mixtral, lambda m, p: export_torch_legacy(m, p, "eager")),

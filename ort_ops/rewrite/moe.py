@@ -524,26 +524,34 @@ def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w_gate: np.ndarra
 
 
 def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Synthetic inputs for a probe run: batch 1, ``tokens`` new positions, an empty KV cache.
+
+    Token ids / masks / positions [B, S] get [1, tokens]; a past key/value input gets batch 1 and
+    past length 0; any other symbolic dim of a float input is the token axis (first) or 1.
+    """
     feeds = {}
     for v in graph.inputs:
         if v.is_initializer():
             continue
-        # Symbolic dims: token ids [B, S] get [1, tokens]; otherwise the first symbolic dim is the
-        # token axis and any other is 1.
         dims = list(v.shape.dims) if v.shape is not None else []
         dt = v.dtype.numpy()
-        ids_like = np.issubdtype(dt, np.integer) and len(dims) == 2
+        name = (v.name or "").lower()
+        is_int = np.issubdtype(dt, np.integer)
+        is_past = "past" in name or ("cache" in name and not is_int)
         shape, given = [], False
         for i, d in enumerate(dims):
             if isinstance(d, int):
                 shape.append(d)
-            elif ids_like and i == 0:
-                shape.append(1)
+            elif str(d).isdigit():  # some exporters write static dims as digit strings
+                shape.append(int(str(d)))
+            elif is_past:
+                shape.append(1 if i == 0 else 0)
+            elif is_int and len(dims) == 2:
+                shape.append(1 if i == 0 else tokens)
             else:
                 shape.append(1 if given else tokens)
                 given = True
-        name = (v.name or "").lower()
-        if np.issubdtype(dt, np.integer):
+        if is_int:
             if "mask" in name:
                 feeds[v.name] = np.ones(shape, dt)
             elif "position" in name:

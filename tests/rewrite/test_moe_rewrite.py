@@ -38,7 +38,7 @@ FUSABLE = {
     "mixtral_dynamo_batched": (4, 32, "stacked"),
     "mixtral_legacy_batched": (4, 32, "stacked"),
     "qwen2moe_dynamo_shared": (4, 32, "stacked"),
-    "qwen3moe_tfexport": (8, 32, "stacked"),
+    "qwen3moe_tfexport_kv": (8, 32, "stacked"),
     "mixtral_tfexport_ortcuda": (4, 32, "com.microsoft MoE"),
 }
 # Stock ORT CPU cannot run the com.microsoft MoE original; the export script gives every Mixtral
@@ -64,9 +64,13 @@ def _fused(name: str):
     return ir.to_proto(model).SerializeToString(), result
 
 
-def _logits(sess, ids: np.ndarray) -> np.ndarray:
+def _logits(model, ids) -> np.ndarray:
+    """Logits [S, V] of one prompt (a KV-cache model gets an empty cache)."""
+    from ort_ops.runtime import DenseRunner
+
     ids = np.asarray(ids, np.int64).reshape(1, -1)
-    return sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0][0]
+    runner = DenseRunner(model, with_library=True)
+    return runner.run(ids, np.ones_like(ids), None)[0][0]
 
 
 def _float_weight_census(model: onnx.ModelProto, inter: int) -> list[str]:
@@ -98,7 +102,7 @@ def test_fixture_is_fused(name):
 def test_fixture_logits_within_int8_budget(name):
     ref = np.load(FIXTURES / f"{name}.npz")
     data, _ = _fused(name)
-    got = _logits(_session(data), ref["input_ids"])
+    got = _logits(data, ref["input_ids"])
     want = ref["logits"][0]
     assert np.all(np.isfinite(got))
     err = ml.relative_l2(got, want)
@@ -133,10 +137,10 @@ def test_fixture_greedy_agreement(name, rng, tmp_path):
 
 def test_contrib_moe_fixture_runs_only_after_rewrite():
     with pytest.raises(Exception, match="FC3 is not implemented"):
-        _logits(_session(str(FIXTURES / "mixtral_tfexport_ortcuda.onnx")), [5, 6, 7])
+        _logits(str(FIXTURES / "mixtral_tfexport_ortcuda.onnx"), [5, 6, 7])
     data, _ = _fused("mixtral_tfexport_ortcuda")
     assert not any(n.domain == "com.microsoft" and n.op_type == "MoE" for n in onnx.load_from_string(data).graph.node)
-    assert np.all(np.isfinite(_logits(_session(data), [5, 6, 7])))
+    assert np.all(np.isfinite(_logits(data, [5, 6, 7])))
 
 
 def test_legacy_eager_trace_is_refused():
@@ -257,3 +261,23 @@ def test_contrib_moe_declined(rng, kwargs, reason):
     fused, result = _fuse_proto(build_contrib_moe(ml.random_moe_weights(rng, H, I, E), K, **kwargs))
     assert result.fused == 0 and reason in result.declined[0].reason, result.declined
     assert any(n.domain == "com.microsoft" for n in fused.graph.node)
+
+
+def test_two_blocks_in_one_model(rng):
+    """Two MoE blocks in sequence (two decoder layers' worth): both proven and fused from one
+    probe run, each with its own weights."""
+    from onnx import compose
+
+    w0, w1 = ml.random_moe_weights(rng, H, I, E), ml.random_moe_weights(rng, H, I, E)
+    m0 = build_moe(w0, K)
+    m1 = compose.add_prefix(build_moe(w1, K, routing="softmax_topk"), "l1/")
+    proto = compose.merge_models(m0, m1, io_map=[("y", "l1/x")])
+    fused, result = _fuse_proto(proto)
+    assert result.fused == 2, result.declined
+    assert collections.Counter(n.op_type for n in fused.graph.node)["GroupedMatmulSwigluQuant"] == 2
+    x = rng.standard_normal((23, H)).astype(np.float32)
+    got = _session(fused).run(None, {"x": x})[0]
+    q0, q1 = ml.quantize_moe_weights(w0), ml.quantize_moe_weights(w1)
+    y0 = ml.moe_layer_int8_reference(x, q0, *ml.route(x, w0.router, K, True))
+    want = ml.moe_layer_int8_reference(y0, q1, *ml.route(y0, w1.router, K, False))
+    assert np.max(np.abs(got - want)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(want))
