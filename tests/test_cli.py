@@ -69,3 +69,18 @@ def test_unreadable_model_one_line_error(tmp_path, capsys):
     assert main(["rewrite", str(bad), str(tmp_path / "o.onnx")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("ort-ops: ") and "not a readable ONNX model" in err[-1]
+
+
+def test_verify_moe_only_rewrite_runs_dense(tmp_path, capsys):
+    """A rewrite without paged attention (MoE only) is verified by running both models through
+    the same left-padded generation loop (the rewritten one with the library registered)."""
+    moe = sorted((FIXTURE.parent.parent / "moe").glob("*_kv.onnx"))
+    if not moe:
+        pytest.skip("no MoE fixture with a KV cache in tests/fixtures/moe")
+    out = tmp_path / "moe_only.onnx"
+    assert main(["rewrite", "--quiet", "--no-attention", str(moe[0]), str(out), "--json"]) == 0
+    assert "attention" not in json.loads(capsys.readouterr().out)["fused"]
+    main(["verify", "--quiet", "--json", "--max-new-tokens", "8", str(moe[0]), str(out)])
+    v = json.loads(capsys.readouterr().out)
+    assert v["rewritten_interface"] == "dense"
+    assert v["overall"]["logits_max_abs_err"] < 1.0 and v["overall"]["length_match"]

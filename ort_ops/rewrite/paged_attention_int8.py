@@ -679,6 +679,24 @@ def _find_past(model: ir.Model) -> dict:
     return out
 
 
+def _looks_like_attention(softmax: ir.Node) -> bool:
+    """A Softmax whose scores come (through scales, masks, casts) from a MatMul of two
+    activations, as q @ k^T does; a router's x @ W_const does not count."""
+    stack = [(softmax.inputs[0], 0)]
+    while stack:
+        v, depth = stack.pop()
+        node = v.producer() if v is not None else None
+        if node is None or depth > 6:
+            continue
+        if node.op_type in ("MatMul", "FusedMatMul"):
+            if all(i is not None and g.const_array(i) is None for i in node.inputs[:2]):
+                return True
+            continue
+        if node.op_type in ("Add", "Mul", "Div", "Where", "Cast", "Sub"):
+            stack.extend((i, depth + 1) for i in node.inputs if i is not None and g.const_array(i) is None)
+    return False
+
+
 def _probe_targets(model: ir.Model) -> list[ir.Value]:
     """Values whose probe the checks read: masks added before a Softmax, Attention masks, and
     the conditions of Where nodes (the fully-masked-row fix some exporters add)."""
@@ -804,6 +822,8 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
 
     # Attention left in the graph: report each with its reason.
     for node in work.graph:
+        if node.op_type == "Softmax" and not _looks_like_attention(node):
+            continue  # e.g. a MoE router: softmax of x @ W_const, not of q @ k^T
         if node.op_type in ("Softmax", "Attention", "GroupQueryAttention", "MultiHeadAttention"):
             where = node.name or node.op_type
             reason = ctx.declines.get(where) or (
