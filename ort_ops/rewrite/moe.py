@@ -89,7 +89,6 @@ class _Candidate:
     weights: ir.Value          # routing weights [T, K] as the graph computes them
     routing: str
     outs: list[ir.Value]       # post-dominator values, in order: the block output is one of them
-    bytes_before: int = 0
 
 
 @dataclasses.dataclass
@@ -784,7 +783,7 @@ def _replace_block(model: ir.Model, block: _Block) -> int:
 # com.microsoft MoE
 
 
-def _dequantize_qmoe(node: ir.Node, q: ir.Value, scales: ir.Value, bits: int, in_dim: int | None) -> np.ndarray:
+def _dequantize_qmoe(q: ir.Value, scales: ir.Value, bits: int) -> np.ndarray:
     """QMoE weights [E, out, in/pack] uint8 + scales [E, out] -> float32 [E, out, in].
 
     ORT's symmetric rule (checked against ORT 1.31's CPU QMoE on hand-built nodes):
@@ -842,7 +841,7 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         if v is None:
             return None
         if qmoe:
-            return _dequantize_qmoe(node, v, s, bits, None)
+            return _dequantize_qmoe(v, s, bits)
         w = _const(v)
         if w is None:
             raise _Declined("expert weights are not constant initializers")

@@ -163,10 +163,10 @@ def _fuse_proto(proto: onnx.ModelProto):
 
 
 def _routing(x, w, routing):
-    logits = (x @ w.router).astype(np.float32)
-    if routing == "topk_softmax":  # softmax of the k largest logits = renormalized top-k probs
-        return ml.route(x, w.router, K, renormalize=True)
-    return ml.route(x, w.router, K, renormalize=routing == "softmax_topk_renorm") if logits.size else None
+    """(topk_ids, topk_w) of a hand-built block's routing. The softmax of the k largest logits
+    equals the renormalized top-k probabilities, so "topk_softmax" routes like the renormalized
+    form (up to float rounding)."""
+    return ml.route(x, w.router, K, renormalize=routing in ("softmax_topk_renorm", "topk_softmax"))
 
 
 @pytest.mark.parametrize("routing", ["softmax_topk_renorm", "softmax_topk", "topk_softmax"])
