@@ -968,15 +968,17 @@ def _fold_structural_ints(ctx: _Ctx) -> None:
     if not ctx.probes2:
         return
     graph = ctx.model.graph
-    past = set(ctx.past_layer)
+    # values downstream of a past input, in one forward pass (graph order is topological)
+    tainted = set(ctx.past_layer)
+    for node in graph:
+        if any(i in tainted for i in node.inputs if i is not None):
+            tainted.update(o for o in node.outputs if o is not None)
     for node in list(graph):
         for out in node.outputs:
-            if not out.uses() or out.name not in ctx.probes or out.name not in ctx.probes2:
+            if out not in tainted or not out.uses() or out.name not in ctx.probes or out.name not in ctx.probes2:
                 continue
             a, b = ctx.probes[out.name], ctx.probes2[out.name]
             if a.dtype not in (np.int64, np.int32) or a.size > 8 or a.shape != b.shape or not np.array_equal(a, b):
-                continue
-            if not g.depends_on(out, past):
                 continue
             const = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(a))})
             graph.insert_before(node, const)
