@@ -84,3 +84,14 @@ def test_verify_moe_only_rewrite_runs_dense(tmp_path, capsys):
     v = json.loads(capsys.readouterr().out)
     assert v["rewritten_interface"] == "dense"
     assert v["overall"]["logits_max_abs_err"] < 1.0 and v["overall"]["length_match"]
+
+
+def test_bench_reports_both_models(tmp_path, capsys):
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out)]) == 0
+    capsys.readouterr()
+    assert main(["bench", str(FIXTURE), str(out), "--json", "--repeat", "1", "--new-tokens", "4",
+                 "--prompt-len", "8", "--batch", "2"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["original"]["new_tokens"] == r["rewritten"]["new_tokens"] == 8
+    assert r["speedup"] > 0 and r["kv_bytes_per_token"]["int8_paged"] < r["kv_bytes_per_token"]["fp32"]
