@@ -4,9 +4,11 @@
 Shapes: E experts top-k, hidden H (= K), intermediate I (N = 2 I for the SwiGLU GEMM), tokens T,
 so M = T * k routed rows, sorted by expert (uniform random routing, k distinct experts a token).
 
-Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed before
-every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
+Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed (by
+reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
   ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out)
+  floor     the same launch with every group empty (memset + launch + tile map + tail fill):
+            the op's fixed cost
   bf16      torch._grouped_mm bf16 GEMM + torch SwiGLU (fp32) + torch per-row INT8 quantization
   fp8 gemm  torch._scaled_grouped_mm fp8 e4m3 GEMM only (row-wise scales, bf16 out)
 Reported: median and p90 us, ratio bf16/ours, TOP/s (2 M K N / t) against the measured INT8
@@ -40,6 +42,9 @@ def routing(rng, t, e, k):
     return np.bincount(ids.ravel(), minlength=e).astype(np.int64)
 
 
+FLUSH_MODE = "read"
+
+
 def time_graph(torch, fn, iters, flush):
     """Median and p90 (us) of replays of a CUDA graph of fn(), L2 flushed before each."""
     s = torch.cuda.Stream()
@@ -63,7 +68,12 @@ def time_graph(torch, fn, iters, flush):
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        flush.zero_()
+        # Evict L2 by reading 256 MB (a write-based flush leaves ~60 MB of dirty lines whose
+        # write-back then competes with the timed kernel's reads).
+        if FLUSH_MODE == "read":
+            flush.max()
+        else:
+            flush.zero_()
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
         a.record()
@@ -102,8 +112,12 @@ def main(argv=None):
     ap.add_argument("--configs", default="auto", help="kernel tile configs to time: auto,bm16,bm64,bm128")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--flush", choices=["read", "write"], default="read",
+                    help="evict L2 by reading (default) or by writing 256 MB before each replay")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
+    global FLUSH_MODE
+    FLUSH_MODE = args.flush
 
     import torch
     import torch.nn.functional as F
@@ -116,7 +130,7 @@ def main(argv=None):
         return 2
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    flush = torch.ones(64 * 2**20, dtype=torch.float32, device=dev)
     k_dim, inter = args.hidden, args.inter
     n_dim = 2 * inter
     rows_out = []
@@ -156,6 +170,9 @@ def main(argv=None):
                     print(f"{label}: check vs reference ({cfg}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)
                 results[f"ours[{cfg}]"] = time_graph(torch, runner.launch, args.iters, flush)
+
+            floor = GmsqRunner(x_d, w_d, ws_d, xs_d, torch.zeros_like(gl_d))
+            results["ours floor (no rows)"] = time_graph(torch, floor.launch, args.iters, flush)
 
             x_bf16 = (x_d.float() * xs_d[:, None]).to(torch.bfloat16)
 

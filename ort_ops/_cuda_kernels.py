@@ -9,6 +9,7 @@ GroupedMatmulSwigluQuant (csrc/ops/grouped_matmul_swiglu_quant/cuda.cuh):
     x int8 [M, K], weight int8 [E, K, N], weight_scale float32 [E, N], x_scale float32 [M],
     group_list int64 [E] -> y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M];
     plus the device error word (bit 1: invalid group_list, bit 2: non-finite C or S).
+GroupedMatmulDequant (same kernel, dequantizing mode): same inputs -> y float32 [M, N].
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ort_ops._lib import _cdll, build_info, get_library_path
 ERR_GROUP_LIST = 1
 ERR_NON_FINITE = 2
 # Tile configurations of the GroupedMatmulSwigluQuant kernel (GmsqConfig in cuda.cuh).
-GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2}
+GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2, "bm16w": 3, "bm32": 4}
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -50,7 +51,11 @@ def _gmsq_fns():
     ws = lib.ort_ops_gmsq_cuda_workspace_bytes
     ws.restype = ctypes.c_size_t
     ws.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    return fn, ws
+    gmd = lib.ort_ops_gmd_cuda
+    gmd.restype = ctypes.c_int
+    gmd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int,
+                                                                   ctypes.c_void_p]
+    return fn, ws, gmd
 
 
 class GmsqRunner:
@@ -64,10 +69,11 @@ class GmsqRunner:
     """
 
     def __init__(self, x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-                 config: str = "auto"):
+                 config: str = "auto", dequant: bool = False):
         import torch
 
-        self.fn, ws_bytes = _gmsq_fns()
+        self.fn, ws_bytes, self.gmd_fn = _gmsq_fns()
+        self.dequant = dequant
         self.inputs = [t.contiguous() for t in (x, weight, weight_scale, x_scale, group_list)]
         m, k = x.shape
         e, _, n = weight.shape
@@ -75,14 +81,15 @@ class GmsqRunner:
         self.shape = (m, k, n, e)
         self.group_list_type = group_list_type
         self.config = GMSQ_CONFIGS[config]
-        self.y = torch.empty((m, n // 2), dtype=torch.int8, device=dev)
+        self.y = (torch.empty((m, n), dtype=torch.float32, device=dev) if dequant
+                  else torch.empty((m, n // 2), dtype=torch.int8, device=dev))
         self.y_scale = torch.empty((m,), dtype=torch.float32, device=dev)
         self.y_offset = torch.empty((m,), dtype=torch.float32, device=dev)
         self.workspace = torch.empty((max(16, ws_bytes(m, e)),), dtype=torch.uint8, device=dev)
 
     def poison(self) -> None:
         """Fills the outputs with values the kernel never writes, to catch unwritten elements."""
-        self.y.fill_(0x55)
+        self.y.fill_(float("nan") if self.dequant else 0x55)
         self.y_scale.fill_(float("nan"))
         self.y_offset.fill_(float("nan"))
 
@@ -92,12 +99,18 @@ class GmsqRunner:
         s = stream if stream is not None else torch.cuda.current_stream()
         x, w, wsc, xs, gl = self.inputs
         m, k, n, e = self.shape
-        rc = self.fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(), gl.data_ptr(),
-                     self.y.data_ptr(), self.y_scale.data_ptr(), self.y_offset.data_ptr(),
-                     self.workspace.data_ptr(), m, k, n, e, self.group_list_type, self.config,
-                     ctypes.c_void_p(s.cuda_stream))
+        if self.dequant:
+            rc = self.gmd_fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(),
+                             gl.data_ptr(), self.y.data_ptr(), self.workspace.data_ptr(), m, k, n,
+                             e, self.group_list_type, self.config, ctypes.c_void_p(s.cuda_stream))
+        else:
+            rc = self.fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(), gl.data_ptr(),
+                         self.y.data_ptr(), self.y_scale.data_ptr(), self.y_offset.data_ptr(),
+                         self.workspace.data_ptr(), m, k, n, e, self.group_list_type, self.config,
+                         ctypes.c_void_p(s.cuda_stream))
         if rc != 0:
-            raise RuntimeError(f"GroupedMatmulSwigluQuant (CUDA): launch failed with cudaError_t {rc}"
+            op = "GroupedMatmulDequant" if self.dequant else "GroupedMatmulSwigluQuant"
+            raise RuntimeError(f"{op} (CUDA): launch failed with cudaError_t {rc}"
                                f" ({torch.cuda.get_device_name()})")
 
     def error_word(self) -> int:
@@ -113,3 +126,14 @@ def gmsq(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
     r.launch()
     err = r.error_word()
     return r.y, r.y_scale, r.y_offset, err
+
+
+def gmd(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
+        config: str = "auto"):
+    """Runs GroupedMatmulDequant once on a NaN-poisoned output; returns (y float32 [M, N], err)."""
+    r = GmsqRunner(x, weight, weight_scale, x_scale, group_list, group_list_type, config,
+                   dequant=True)
+    r.poison()
+    r.launch()
+    err = r.error_word()
+    return r.y, err

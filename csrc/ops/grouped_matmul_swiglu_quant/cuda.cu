@@ -47,10 +47,7 @@ namespace ort_ops::gmsq_cuda {
 namespace {
 
 constexpr int kBK = 64;                       // k per pipeline stage: two m16n8k32 steps
-constexpr int kWarpsN = 4;                    // warps across the columns of a tile
 constexpr int kOutPerWarp = 32;               // output columns per warp (one transposed quad)
-constexpr int kBNh = kWarpsN * kOutPerWarp;   // 128 output columns per tile
-constexpr int kBRow = 2 * kBNh;               // 256 bytes per k row of the B tile (gate | up)
 constexpr int kMaxK = 131071;                 // K * 128 * 128 < 2^31: exact int32
 
 // ---- device helpers -------------------------------------------------------------------------
@@ -162,17 +159,26 @@ __device__ __forceinline__ int64_t warp_scan_max(int64_t v, int lane) {
 
 // ---- the kernel -----------------------------------------------------------------------------
 
-template <int WARPS_M, int MT, int STAGES>
+// WARPS_M x WARPS_N warps own a BM x BNh output tile (each warp MT m16 tiles x 32 columns);
+// KSPLIT = 2 doubles the warps, each pair splitting every 64-deep k step into its two k32
+// halves (more warps in flight when BM is small), summed through shared memory at the end.
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT>
 struct Cfg {
-  static constexpr int kWarps = WARPS_M * kWarpsN;
+  static_assert(WARPS_N >= 2, "the B swizzle (chunk ^ 2t) needs >= 8 chunks per k row");
+  static_assert(KSPLIT == 1 || KSPLIT == 2, "KSPLIT is 1 or 2 (the two k32 halves of a step)");
+  static constexpr int kWarpsMN = WARPS_M * WARPS_N;
+  static constexpr int kWarps = kWarpsMN * KSPLIT;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBM = WARPS_M * MT * 16;
+  static constexpr int kBNh = WARPS_N * kOutPerWarp;  // output columns per tile
+  static constexpr int kBRow = 2 * kBNh;              // bytes per k row of the B tile (gate | up)
   static constexpr int kAStage = kBM * kBK;      // A tile [BM][64], 16-byte chunks swizzled
-  static constexpr int kBStage = kBK * kBRow;    // B tile [64][256], 16-byte chunks swizzled
+  static constexpr int kBStage = kBK * kBRow;    // B tile [64][kBRow], 16-byte chunks swizzled
   static constexpr int kStage = kAStage + kBStage;
   static constexpr int kPipe = STAGES * kStage;
   static constexpr int kMapInts = 2 * (kGmsqMaxExperts + 1);   // row ends, block prefix
-  static constexpr int kSmem = kPipe + 4 * kMapInts + 4 * kWarpsN * kBM;
+  static constexpr int kSmem = kPipe + 4 * kMapInts + 4 * WARPS_N * kBM;
+  static_assert(KSPLIT == 1 || kPipe >= kWarpsMN * 32 * MT * 32 * 4, "k-split exchange fits");
 };
 
 struct Scratch {
@@ -181,22 +187,31 @@ struct Scratch {
   int* counters;   // [max row blocks] arrivals per row block
 };
 
-template <int WARPS_M, int MT, int STAGES>
-__global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
+// MODE kSwiglu: GroupedMatmulSwigluQuant. MODE kDequant: GroupedMatmulDequant (y = C as
+// float32 [M, N]): the same tiles, the "gate" and "up" halves are simply columns [0, N/2) and
+// [N/2, N), and the epilogue stores C with no row max and no cross-CTA wait.
+enum Mode : int { kSwiglu = 0, kDequant = 1 };
+
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
+__global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kThreads, 1)
     gmsq_kernel(const GmsqParams p, const Scratch ws, const int col_tiles) {
-  using C = Cfg<WARPS_M, MT, STAGES>;
+  using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
   constexpr int BM = C::kBM;
   constexpr int T = C::kThreads;
+  constexpr int kBNh = C::kBNh;
+  constexpr int kBRow = C::kBRow;
+  constexpr int kChunks = kBRow / 16;  // 16-byte chunks per B-tile row
   extern __shared__ __align__(128) uint8_t smem[];
   int* ends_s = reinterpret_cast<int*>(smem + C::kPipe);       // [E + 1]
   int* blk_s = ends_s + (kGmsqMaxExperts + 1);                   // [E + 1]
-  float* red_s = reinterpret_cast<float*>(blk_s + (kGmsqMaxExperts + 1));  // [kWarpsN][BM]
+  float* red_s = reinterpret_cast<float*>(blk_s + (kGmsqMaxExperts + 1));  // [WARPS_N][BM]
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int wm = warp / kWarpsN;
-  const int wn = warp % kWarpsN;
+  const int wk = warp / C::kWarpsMN;  // k half of this warp (KSPLIT 2), else 0
+  const int wm = (warp % C::kWarpsMN) / WARPS_N;
+  const int wn = warp % WARPS_N;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int M = static_cast<int>(p.m);
@@ -205,7 +220,8 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
   const int half = N / 2;
   const int E = static_cast<int>(p.e);
 
-  for (int i = blockIdx.x * T + tid; i < M; i += gridDim.x * T) p.y_offset[i] = 0.0f;
+  if constexpr (MODE == kSwiglu)
+    for (int i = blockIdx.x * T + tid; i < M; i += gridDim.x * T) p.y_offset[i] = 0.0f;
 
   // Tile map (warp 0): sanitized group ends and the row-block prefix, both in shared memory.
   // An invalid group_list sets kErrGroupList and is clamped so nothing runs out of bounds.
@@ -273,8 +289,13 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
   // Per-thread constant smem offsets. B: lane (g, t) reads k rows 4t..4t+3 of columns 4g..4g+3
   // in its warp's 32-column quad; the chunk swizzle (chunk ^ 2t) makes the 4 t's hit 4 disjoint
   // bank groups (row stride 256 B maps every row to bank 0 otherwise: a 4-way conflict).
-  const uint32_t b_lane_off =
-      4 * t * kBRow + ((((wn * 2) + (g >> 2)) ^ (t << 1)) << 4) + (g & 3) * 4;
+  // The XOR may flip the chunk bit that selects the gate/up half (WARPS_N = 2), so each half
+  // gets its own offset rather than "+ q * kBNh".
+  uint32_t b_lane_off[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+    b_lane_off[q] = 4 * t * kBRow +
+                    (((q * (kChunks / 2) + wn * 2 + (g >> 2)) ^ (t << 1)) << 4) + (g & 3) * 4;
   const int a_row_in = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of this lane
   const int a_chunk_hi = lane >> 4;                          // k 0-15 or 16-31 of a k32 step
 
@@ -308,12 +329,12 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
         }
       }
 #pragma unroll
-      for (int i0 = 0; i0 < kBK * 16; i0 += T) {
+      for (int i0 = 0; i0 < kBK * kChunks; i0 += T) {
         const int i = i0 + tid;
-        const int kr = i >> 4, cc = i & 15, kk = k0 + kr;
-        const int hcol = col0 + (cc & 7) * 16;
+        const int kr = i / kChunks, cc = i % kChunks, kk = k0 + kr;
+        const int hcol = col0 + (cc % (kChunks / 2)) * 16;
         const bool ok = kk < K && hcol < half;
-        const int col = (cc >= 8 ? half : 0) + hcol;
+        const int col = (cc >= kChunks / 2 ? half : 0) + hcol;
         cp_async16(smem_addr(bs + kr * kBRow + ((cc ^ (((kr >> 2) & 3) << 1)) << 4)),
                    ok ? static_cast<const void*>(wg + static_cast<int64_t>(kk) * N + col)
                       : static_cast<const void*>(p.weight),
@@ -344,9 +365,10 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
       }
       const uint8_t* as = smem + (kt % STAGES) * C::kStage;
       const uint32_t as_addr = smem_addr(as);
-      const uint32_t bs_addr = as_addr + C::kAStage + b_lane_off;
+      const uint32_t bs_addr = as_addr + C::kAStage;
 #pragma unroll
       for (int kb = 0; kb < 2; ++kb) {
+        if (KSPLIT == 2 && kb != wk) continue;  // warp-uniform
         uint32_t a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -362,7 +384,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
             uint32_t w[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r)
-              w[r] = lds32(bs_addr + (kb * 32 + h * 16 + r) * kBRow + q * kBNh);
+              w[r] = lds32(bs_addr + b_lane_off[q] + (kb * 32 + h * 16 + r) * kBRow);
             transpose4x4(w, b[q * 4 + 0][h], b[q * 4 + 1][h], b[q * 4 + 2][h], b[q * 4 + 3][h]);
           }
 #pragma unroll
@@ -375,6 +397,29 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
       }
     }
     cp_async_wait<0>();
+    if (KSPLIT == 2) {
+      // k half 1 hands its partial sums to k half 0 through the (now idle) pipeline buffers.
+      __syncthreads();
+      int* xch = reinterpret_cast<int*>(smem) + (warp % C::kWarpsMN) * 32 * MT * 32 + lane;
+      if (wk == 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xch[((mt * 8 + nt) * 4 + j) * 32] = acc[mt][nt][j];
+      }
+      __syncthreads();
+      if (wk == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[mt][nt][j] += xch[((mt * 8 + nt) * 4 + j) * 32];
+      }
+    }
+    const bool epi = wk == 0;  // warps that own accumulators from here on
 
     // ---- epilogue: dequantize, SwiGLU, partial row max ----
     const int ocol = col0 + wn * kOutPerWarp + 8 * t;  // this lane's 8 output columns
@@ -393,6 +438,35 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
       wsa[4] = v1.x; wsa[5] = v1.y; wsa[6] = v1.z; wsa[7] = v1.w;
       wsg[0] = v2.x; wsg[1] = v2.y; wsg[2] = v2.z; wsg[3] = v2.w;
       wsg[4] = v3.x; wsg[5] = v3.y; wsg[6] = v3.z; wsg[7] = v3.w;
+    }
+    if constexpr (MODE == kDequant) {
+      // y[m, n] = (float32(acc) * x_scale[m]) * w_scale[e, n]; overflow gives Inf (no error).
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = (wm * MT + mt) * 16 + g + 8 * hh;
+          if (epi && r < rows && col_ok) {
+            const float xs = p.x_scale[row0 + r];
+            float* yr = p.y_float + static_cast<int64_t>(row0 + r) * N + ocol;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+              float v[8];
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj)
+                  v[4 * jj + i] = __fmul_rn(
+                      __fmul_rn(__int2float_rn(acc[mt][4 * q + i][2 * hh + jj]), xs),
+                      q ? wsg[4 * jj + i] : wsa[4 * jj + i]);
+              float* dst = yr + q * half;
+              *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+              *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+            }
+          }
+        }
+      __syncthreads();  // the pipeline buffers are reused by the next row block
+      continue;
     }
     float s[MT][2][8];
     float rmax[MT][2];
@@ -423,7 +497,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
           }
         rmax[mt][hh] = m;
       }
-    if (nonfinite) atomicOr(ws.err, kErrNonFinite);
+    if (nonfinite && epi) atomicOr(ws.err, kErrNonFinite);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -431,13 +505,13 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
         float m = rmax[mt][hh];
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        if (t == 0) red_s[wn * BM + (wm * MT + mt) * 16 + g + 8 * hh] = m;
+        if (t == 0 && epi) red_s[wn * BM + (wm * MT + mt) * 16 + g + 8 * hh] = m;
       }
     __syncthreads();
     for (int r = tid; r < rows; r += T) {
       float m = red_s[r];
 #pragma unroll
-      for (int w = 1; w < kWarpsN; ++w) m = fmaxf(m, red_s[w * BM + r]);
+      for (int w = 1; w < WARPS_N; ++w) m = fmaxf(m, red_s[w * BM + r]);
       if (m > 0.0f) atomicMax(reinterpret_cast<int*>(ws.amax) + row0 + r, __float_as_int(m));
     }
     __threadfence();
@@ -461,7 +535,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int r = (wm * MT + mt) * 16 + g + 8 * hh;
-        if (r < rows && col_ok) {
+        if (epi && r < rows && col_ok) {
           const float amax = __ldcg(ws.amax + row0 + r);
           const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
           uint32_t lo = 0, hi = 0;
@@ -483,7 +557,13 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, MT, STAGES>::kThreads, 1)
 
   // Rows at or past the last group end: codes 0, scale 0 (the contract's deviation from Ascend).
   const int tail = M - rows_end;
-  if (tail > 0) {
+  if (MODE == kDequant && tail > 0) {
+    const int64_t total = static_cast<int64_t>(tail) * (N / 4);
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * T + tid; i < total;
+         i += static_cast<int64_t>(gridDim.x) * T)
+      reinterpret_cast<float4*>(p.y_float + static_cast<int64_t>(rows_end) * N)[i] =
+          make_float4(0.f, 0.f, 0.f, 0.f);
+  } else if (tail > 0) {
     const int chunks = half / 16;
     const int64_t total = static_cast<int64_t>(tail) * chunks;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * T + tid; i < total;
@@ -503,7 +583,7 @@ struct LaunchInfo {
   cudaError_t err = cudaSuccess;
 };
 
-template <int WARPS_M, int MT, int STAGES>
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
 LaunchInfo launch_info(int device) {
   // Per device: raise the kernel's dynamic shared-memory limit once, read its occupancy.
   static std::mutex mu;
@@ -512,9 +592,9 @@ LaunchInfo launch_info(int device) {
   std::lock_guard<std::mutex> lock(mu);
   if (device < 0 || device >= 64) return LaunchInfo{0, 0, cudaErrorInvalidDevice};
   if (!done[device]) {
-    using C = Cfg<WARPS_M, MT, STAGES>;
+    using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
     LaunchInfo li;
-    auto kernel = gmsq_kernel<WARPS_M, MT, STAGES>;
+    auto kernel = gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>;
     li.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
     if (li.err == cudaSuccess)
       li.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&li.blocks_per_sm, kernel,
@@ -527,13 +607,14 @@ LaunchInfo launch_info(int device) {
   return cache[device];
 }
 
-template <int WARPS_M, int MT, int STAGES>
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
 cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t stream) {
-  using C = Cfg<WARPS_M, MT, STAGES>;
+  using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
+  constexpr int kBNh = C::kBNh;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const LaunchInfo li = launch_info<WARPS_M, MT, STAGES>(device);
+  const LaunchInfo li = launch_info<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>(device);
   if (li.err != cudaSuccess) return li.err;
   const int64_t half = p.n / 2;
   const int col_tiles = static_cast<int>(std::max<int64_t>(1, (half + kBNh - 1) / kBNh));
@@ -553,7 +634,8 @@ cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t strea
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, gmsq_kernel<WARPS_M, MT, STAGES>, p, s, col_tiles);
+  return cudaLaunchKernelEx(&cfg, gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>, p, s,
+                            col_tiles);
 }
 
 size_t align16(size_t v) { return (v + 15) / 16 * 16; }
@@ -578,7 +660,10 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t e) {
   return 16 + align16(4 * static_cast<size_t>(m)) + align16(4 * static_cast<size_t>(max_blocks));
 }
 
-cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
+namespace {
+
+template <int MODE>
+cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   if (p.m < 0 || p.m >= (int64_t{1} << 31) || p.k < 0 || p.k > kMaxK || p.k % 16 != 0 ||
       p.n < 0 || p.n % 32 != 0 || p.e < 0 || p.e > kGmsqMaxExperts ||
       (p.group_list_type != 0 && p.group_list_type != 1) || p.config < kGmsqAuto ||
@@ -593,7 +678,8 @@ cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
       cudaMemsetAsync(p.workspace, 0, gmsq_workspace_bytes(p.m, p.e), stream);
   if (err != cudaSuccess || p.m == 0) return err;
   if (p.n == 0 || p.e == 0) {
-    // No output columns or no experts: every row is "past the last group", scale 0.
+    // No output columns or no experts: every row is "past the last group": zeros.
+    if (MODE == kDequant) return p.n > 0 ? cudaMemsetAsync(p.y_float, 0, 4 * p.m * p.n, stream) : err;
     if ((err = cudaMemsetAsync(p.y_scale, 0, 4 * p.m, stream)) != cudaSuccess) return err;
     if (p.n > 0 && (err = cudaMemsetAsync(p.y, 0, p.m * (p.n / 2), stream)) != cudaSuccess)
       return err;
@@ -601,16 +687,30 @@ cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
   }
   int config = p.config;
   if (config == kGmsqAuto) {
-    // Rows per expert on average: few rows make the op a weight stream (small BM, more CTAs in
-    // flight per byte of B); many rows make it a GEMM (BM 128 reuses each B tile 128 times).
+    // Rows per expert on average: few rows make the op a weight stream (small BM); many rows
+    // make it a GEMM (BM 128 reuses each B tile 128 times). Measured on the H200
+    // (benchmarks/bench_moe_cuda.py): the k-split variants (bm16, bm32) did not pay.
     const int64_t avg = p.m / p.e;
-    config = avg <= 24 ? kGmsqBm16 : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
+    config = avg <= 24 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
   }
   switch (config) {
-    case kGmsqBm16: return launch_cfg<1, 1, 6>(p, s, stream);
-    case kGmsqBm64: return launch_cfg<2, 2, 4>(p, s, stream);
-    default: return launch_cfg<2, 4, 4>(p, s, stream);
+    //                                 WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE
+    case kGmsqBm16: return launch_cfg<1, 2, 1, 8, 2, MODE>(p, s, stream);
+    case kGmsqBm64: return launch_cfg<2, 4, 2, 4, 1, MODE>(p, s, stream);
+    case kGmsqBm16Wide: return launch_cfg<1, 4, 1, 6, 1, MODE>(p, s, stream);
+    case kGmsqBm32: return launch_cfg<1, 2, 2, 6, 2, MODE>(p, s, stream);
+    default: return launch_cfg<2, 4, 4, 4, 1, MODE>(p, s, stream);
   }
+}
+
+}  // namespace
+
+cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
+  return launch_mode<kSwiglu>(p, stream);
+}
+
+cudaError_t launch_gmd(const GmsqParams& p, cudaStream_t stream) {
+  return launch_mode<kDequant>(p, stream);
 }
 
 }  // namespace ort_ops::gmsq_cuda
@@ -625,6 +725,17 @@ ORT_OPS_CUDA_EXPORT int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight,
   GmsqParams p{x, weight, w_scale, x_scale, group_list, y, y_scale, y_offset, workspace,
                m, k, n, e, group_list_type, config};
   return static_cast<int>(launch_gmsq(p, static_cast<cudaStream_t>(stream)));
+}
+
+ORT_OPS_CUDA_EXPORT int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight,
+                                         const float* w_scale, const float* x_scale,
+                                         const int64_t* group_list, float* y, void* workspace,
+                                         int64_t m, int64_t k, int64_t n, int64_t e,
+                                         int group_list_type, int config, void* stream) {
+  using namespace ort_ops::gmsq_cuda;
+  GmsqParams p{x, weight, w_scale, x_scale, group_list, nullptr, nullptr, nullptr, workspace,
+               m, k, n, e, group_list_type, config, y};
+  return static_cast<int>(launch_gmd(p, static_cast<cudaStream_t>(stream)));
 }
 
 ORT_OPS_CUDA_EXPORT size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e) {

@@ -30,9 +30,17 @@ constexpr int kGmsqMaxExperts = 1024;
 constexpr int kErrGroupList = 1;  // group_list decreasing, negative or ending past M
 constexpr int kErrNonFinite = 2;  // a dequantized C or S was NaN or Inf (no INT8 code)
 
-// Tile configurations (rows per tile BM / warps); the launcher picks one from M / E unless
-// `config` >= 0 forces it (benchmarks and tests).
-enum GmsqConfig : int { kGmsqAuto = -1, kGmsqBm16 = 0, kGmsqBm64 = 1, kGmsqBm128 = 2, kGmsqNumConfigs = 3 };
+// Tile configurations (rows per tile BM x output columns per tile); the launcher picks one
+// from M / E unless `config` >= 0 forces it (benchmarks and tests).
+enum GmsqConfig : int {
+  kGmsqAuto = -1,
+  kGmsqBm16 = 0,       // 16 x 64, k split over 2 warp sets: weight streaming (decode)
+  kGmsqBm64 = 1,       // 64 x 128
+  kGmsqBm128 = 2,      // 128 x 128: GEMM-bound (prefill)
+  kGmsqBm16Wide = 3,   // 16 x 128, no k split
+  kGmsqBm32 = 4,       // 32 x 64, k split
+  kGmsqNumConfigs = 5
+};
 
 struct GmsqParams {
   const int8_t* x;
@@ -47,6 +55,7 @@ struct GmsqParams {
   int64_t m, k, n, e;
   int group_list_type;
   int config;  // GmsqConfig
+  float* y_float = nullptr;  // GroupedMatmulDequant's y [M, N] (launch_gmd only)
 };
 
 // Device scratch the launcher needs: the error word, the row amax and the per-tile counters.
@@ -55,6 +64,11 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t e);
 // Enqueues the whole op on `stream` (one memset, one cooperative kernel). Returns the launch
 // status; the device error word is at gmsq_error_word(workspace) once the stream reaches it.
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
+// GroupedMatmulDequant (the down projection) on the same tiles: y_float [M, N] float32 =
+// (float32(acc) * x_scale) * w_scale, zeros past the last group end; y, y_scale, y_offset are
+// unused. Same requirements, workspace and error word (kErrNonFinite is never set: Inf is a
+// valid float output there).
+cudaError_t launch_gmd(const GmsqParams& p, cudaStream_t stream);
 inline int* gmsq_error_word(void* workspace) { return static_cast<int*>(workspace); }
 
 // float16 scales (bits) -> float32 on `stream` (exact: every float16 is a float32).
@@ -70,3 +84,8 @@ extern "C" int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight, const fl
                                  int64_t k, int64_t n, int64_t e, int group_list_type, int config,
                                  void* stream);
 extern "C" size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e);
+// GroupedMatmulDequant: x, weight, w_scale, x_scale, group_list, y float32 [M, N], workspace.
+extern "C" int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
+                                const float* x_scale, const int64_t* group_list, float* y,
+                                void* workspace, int64_t m, int64_t k, int64_t n, int64_t e,
+                                int group_list_type, int config, void* stream);

@@ -1,0 +1,48 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulDequant on ORT's CUDA EP: the grouped INT8 GEMM kernel of
+// ops/grouped_matmul_swiglu_quant/cuda.cu in its dequantizing mode (host side:
+// cuda_op_common.h there). Inputs as GroupedMatmulSwigluQuant; output y float32 [M, N].
+#include "ops/grouped_matmul_dequant/cuda_op.h"
+
+#include <memory>
+
+#include "ops/grouped_matmul_swiglu_quant/cuda_op_common.h"
+
+namespace ort_ops {
+namespace {
+
+constexpr const char* kOp = "GroupedMatmulDequant";
+
+class GroupedMatmulDequantCuda final : public KernelImpl {
+ public:
+  explicit GroupedMatmulDequantCuda(const OrtKernelInfo* info)
+      : group_list_type_(attr_int(info, "group_list_type", 0)) {
+    if (group_list_type_ != 0 && group_list_type_ != 1)
+      fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
+                   group_list_type_);
+  }
+
+  void compute(Ort::KernelContext& ctx) override {
+    gmsq_cuda::run_grouped_op(kOp, ctx, group_list_type_, /*swiglu=*/false);
+  }
+
+ private:
+  int64_t group_list_type_;
+};
+
+}  // namespace
+
+const CustomOp& grouped_matmul_dequant_cuda_op() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CUDAExecutionProvider",
+             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<GroupedMatmulDequantCuda>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops

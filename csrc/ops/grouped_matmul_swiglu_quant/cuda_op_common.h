@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: MIT
+// Shared by the CUDA-EP ops GroupedMatmulSwigluQuant and GroupedMatmulDequant (both run the
+// grouped INT8 GEMM of cuda.cu): host-side validation with the CPU ops' messages, float16
+// scales converted on the device, scratch from ORT's CUDA allocator, and the device error word
+// read back after the kernel.
+//
+// group_list lives on the device (MoeInitRouting writes it there), so its values are checked
+// by the kernel itself: it never reads out of bounds on a bad list, and reports it (or a
+// non-finite C / S) in a device error word. To fail the Run as the contract requires, the op
+// copies that word back and synchronizes the stream once per Run (a few microseconds; see
+// the closing note of issue 7 for the trade-off).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "common/tensor.h"
+#include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+
+namespace ort_ops::gmsq_cuda {
+
+inline void check_cuda(const char* op, cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw OpError(ORT_EP_FAIL, str_cat(op, " (CUDA): ", what, " failed: ", cudaGetErrorName(err),
+                                       " (", cudaGetErrorString(err), ")"));
+}
+
+// Device scratch from ORT's CUDA allocator, freed when the op returns (after the sync).
+class OrtCudaScratch {
+ public:
+  OrtCudaScratch(const char* op, Ort::KernelContext& ctx, size_t bytes) {
+    int device = 0;
+    check_cuda(op, cudaGetDevice(&device), "cudaGetDevice");
+    Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
+    alloc_ = ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(info));
+    if (alloc_ == nullptr) fail_unsupported(op, "no CUDA allocator in this session");
+    ptr_ = alloc_->Alloc(alloc_, bytes);
+    if (ptr_ == nullptr)
+      throw OpError(ORT_FAIL, str_cat(op, ": could not allocate ", bytes, " bytes of scratch"));
+  }
+  ~OrtCudaScratch() {
+    if (ptr_) alloc_->Free(alloc_, ptr_);
+  }
+  OrtCudaScratch(const OrtCudaScratch&) = delete;
+  OrtCudaScratch& operator=(const OrtCudaScratch&) = delete;
+  char* get() const { return static_cast<char*>(ptr_); }
+
+ private:
+  OrtAllocator* alloc_ = nullptr;
+  void* ptr_ = nullptr;
+};
+
+// Validates inputs 0..4, allocates the outputs and runs the op. swiglu: GroupedMatmulSwigluQuant
+// (outputs y int8 [M, N/2], y_scale, y_offset), else GroupedMatmulDequant (y float32 [M, N]).
+inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
+                           bool swiglu) {
+  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  const InputView x = read_input(ctx, 0), w = read_input(ctx, 1), ws = read_input(ctx, 2),
+                  xs = read_input(ctx, 3), gl = read_input(ctx, 4);
+  require_present(op, "x", x);
+  require_present(op, "weight", w);
+  require_present(op, "weight_scale", ws);
+  require_present(op, "x_scale", xs);
+  require_present(op, "group_list", gl);
+  require_dtype(op, "x", x, {I8});
+  require_rank(op, "x", x, 2);
+  require_dtype(op, "weight", w, {I8});
+  require_rank(op, "weight", w, 3);
+  const int64_t m = x.dim(0), k = x.dim(1), e = w.dim(0), n = w.dim(2);
+  if (w.dim(1) != k)
+    fail_invalid(op, "input 'weight' must have shape [E, ", k, ", N] (K of 'x'), got ",
+                 shape_str(w.shape));
+  if (swiglu && n % 2 != 0)
+    fail_invalid(op, "input 'weight' must have an even N (last dim), got ", n);
+  require_dtype(op, "weight_scale", ws, {F32, F16});
+  require_shape(op, "weight_scale", ws, {e, n});
+  require_dtype(op, "x_scale", xs, {F32, F16});
+  require_shape(op, "x_scale", xs, {m});
+  require_dtype(op, "group_list", gl, {I64});
+  require_shape(op, "group_list", gl, {e});
+  // The kernel's needs: exact int32 sums, 16-byte rows of x and weight, the second column half
+  // starting at N/2 on a 16-byte boundary.
+  if (k > 131071)
+    fail_unsupported(op, "K must be <= 131071 so the int32 accumulator cannot overflow, got ", k);
+  if (k % 16 != 0) fail_unsupported(op, "K must be a multiple of 16 on the CUDA EP, got ", k);
+  if (n % 32 != 0) fail_unsupported(op, "N must be a multiple of 32 on the CUDA EP, got ", n);
+  if (e > kGmsqMaxExperts)
+    fail_unsupported(op, "at most ", kGmsqMaxExperts, " experts on the CUDA EP, got ", e);
+  if (m >= (int64_t{1} << 31)) fail_unsupported(op, "M must be < 2^31 on the CUDA EP, got ", m);
+
+  GmsqParams p{};
+  if (swiglu) {
+    p.y = make_output<int8_t>(ctx, 0, {m, n / 2});
+    p.y_scale = make_output<float>(ctx, 1, {m});
+    p.y_offset = make_output<float>(ctx, 2, {m});
+  } else {
+    p.y_float = make_output<float>(ctx, 0, {m, n});
+  }
+  if (m == 0) return;
+  auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+
+  const size_t ws_bytes = gmsq_workspace_bytes(m, e);
+  const size_t wsc_bytes = ws.dtype == F16 ? 4 * static_cast<size_t>(e * n + 4) : 0;
+  const size_t xsc_bytes = xs.dtype == F16 ? 4 * static_cast<size_t>(m + 4) : 0;
+  OrtCudaScratch scratch(op, ctx, ws_bytes + wsc_bytes + xsc_bytes);
+  p.w_scale = ws.ptr<float>();
+  p.x_scale = xs.ptr<float>();
+  if (wsc_bytes) {
+    float* dst = reinterpret_cast<float*>(scratch.get() + ws_bytes);
+    check_cuda(op, launch_half_to_float(ws.ptr<uint16_t>(), dst, e * n, stream),
+               "weight_scale conversion");
+    p.w_scale = dst;
+  }
+  if (xsc_bytes) {
+    float* dst = reinterpret_cast<float*>(scratch.get() + ws_bytes + wsc_bytes);
+    check_cuda(op, launch_half_to_float(xs.ptr<uint16_t>(), dst, m, stream), "x_scale conversion");
+    p.x_scale = dst;
+  }
+  p.x = x.ptr<int8_t>();
+  p.weight = w.ptr<int8_t>();
+  p.group_list = gl.ptr<int64_t>();
+  p.workspace = scratch.get();
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.e = e;
+  p.group_list_type = static_cast<int>(group_list_type);
+  p.config = kGmsqAuto;
+  check_cuda(op, swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream), "kernel launch");
+
+  int err = 0;
+  check_cuda(op, cudaMemcpyAsync(&err, gmsq_error_word(scratch.get()), sizeof(int),
+                                 cudaMemcpyDeviceToHost, stream),
+             "error word copy");
+  check_cuda(op, cudaStreamSynchronize(stream), "stream synchronize");
+  if (err & kErrGroupList) {
+    std::vector<int64_t> g(static_cast<size_t>(e));
+    check_cuda(op, cudaMemcpy(g.data(), gl.data, 8 * static_cast<size_t>(e), cudaMemcpyDeviceToHost),
+               "group_list copy");
+    if (group_list_type == 1)
+      fail_invalid(op, "input 'group_list' must hold counts >= 0 summing to <= ", m,
+                   " (rows of 'x'), got ", shape_str(g));
+    fail_invalid(op, "input 'group_list' must be non-decreasing and >= 0 and end at <= ", m,
+                 " (rows of 'x'), got ", shape_str(g));
+  }
+  if (err & kErrNonFinite)
+    fail_invalid(op, "a row's dequantized product or SwiGLU output is not finite; check "
+                     "inputs 'x_scale' and 'weight_scale'");
+}
+
+}  // namespace ort_ops::gmsq_cuda
