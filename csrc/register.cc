@@ -21,6 +21,8 @@
 #include "cuda/cuda_info.h"
 #include "ops/grouped_matmul_dequant/cuda_op.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda_op.h"
+#include "ops/paged_attention_int8/cuda_op.h"
+#include "ops/quantize_kv_cache/cuda_op.h"
 #endif
 
 #ifndef ORT_OPS_VERSION
@@ -50,6 +52,8 @@ std::vector<const CustomOp*> all_ops() {
       &moe_finalize_routing_cpu_op(),
 #ifdef ORT_OPS_WITH_CUDA
       &grouped_matmul_swiglu_quant_cuda_op(),
+      &paged_attention_int8_cuda_op(),
+      &quantize_kv_cache_cuda_op(),
       &grouped_matmul_dequant_cuda_op(),
 #endif
   };

@@ -219,8 +219,88 @@ def test_bad_inputs_are_flagged_not_read(rng):
     assert _run(q2, cache, cu)[1] & 4
 
 
-@pytest.mark.parametrize("d,b,msg", [(96, 16, "head_dim must be one of"), (64, 8, "block_size must be a multiple of 16")])
+@pytest.mark.parametrize("d,b,msg", [(96, 16, "head_dim must be one of"), (64, 8, "block_size must be a power of two >= 16")])
 def test_unsupported_configs_are_refused(rng, d, b, msg):
     query, cache, _ = _make_case(rng, [20], [1], 2, 1, d, b, "float32", decode=True)
     with pytest.raises(ValueError, match=msg):
         _run(query, cache, None)
+
+
+# ---------------------------------------------------------------- through onnxruntime-gpu (CUDA EP)
+
+@pytest.fixture
+def cuda_ep():
+    """Sessions on the CUDA EP with profiling on, so a test can prove where the node ran."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
+
+    from ort_ops._lib import session_options
+    from ort_ops.ops._schema import single_op_model
+
+    def make(schema, inputs, **attrs):
+        model = single_op_model(schema, inputs, **attrs)
+        so = session_options()
+        so.enable_profiling = True
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(model.SerializeToString(), so,
+                                    providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+
+    return make
+
+
+def _providers_of(sess, op_type):
+    import json
+
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    return {e["args"].get("provider") for e in events
+            if e.get("cat") == "Node" and e["args"].get("op_name") == op_type}
+
+
+def test_cuda_ep_quantize_then_attend(cuda_ep, rng):
+    """QuantizeKVCache then PagedAttentionInt8 as ORT sessions on the CUDA EP (decode and prefill),
+    against the references; a bad block table fails the Run with the op's message."""
+    from ort_ops.ops import paged_attention_int8 as pa_mod
+    from ort_ops.ops import quantize_kv_cache as qkv_mod
+
+    lens, hq, hkv, d, b = [300, 77], 8, 2, 128, 16
+    cuk = np.concatenate([[0], np.cumsum(lens)])
+    key = rng.standard_normal((sum(lens), hkv, d)).astype(np.float16)
+    value = rng.standard_normal((sum(lens), hkv, d)).astype(np.float16)
+    cache = build_paged_cache(key.astype(np.float32), value.astype(np.float32), cuk, b, rng)
+    tables = cache["block_tables"]
+    slots = np.concatenate([tables[s, np.arange(n) // b].astype(np.int64) * b + np.arange(n) % b
+                            for s, n in enumerate(lens)])
+    n_blocks = cache["key_cache"].shape[0]
+    empty = {"key_cache": np.zeros_like(cache["key_cache"]), "value_cache": np.zeros_like(cache["value_cache"]),
+             "key_scale": np.zeros_like(cache["key_scale"]), "value_scale": np.zeros_like(cache["value_scale"])}
+    feeds = {"key": key, "value": value, "slot_mapping": slots, **empty}
+    sess = cuda_ep(qkv_mod.SCHEMA, feeds)
+    got = sess.run(None, feeds)
+    assert _providers_of(sess, "QuantizeKVCache") == {"CUDAExecutionProvider"}
+    want = reference.quantize_kv_cache(key, value, slots, *empty.values())
+    for g, w_ in zip(got, want):
+        assert np.array_equal(g.view(np.uint8), w_.view(np.uint8))
+    caches = dict(zip(("key_cache", "value_cache", "key_scale", "value_scale"), got))
+    assert n_blocks == caches["key_cache"].shape[0]
+
+    for q_lens in ([1, 1], [5, 33]):
+        query = rng.standard_normal((sum(q_lens), hq, d)).astype(np.float16)
+        cu = None if q_lens == [1, 1] else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        pf = {"query": query, **caches, "block_tables": tables, "seq_lens": cache["seq_lens"]}
+        if cu is not None:
+            pf["cu_seqlens_q"] = cu
+        sess = cuda_ep(pa_mod.SCHEMA, pf, pv_quant="u8")
+        out = sess.run(None, pf)[0]
+        assert _providers_of(sess, "PagedAttentionInt8") == {"CUDAExecutionProvider"}
+        want, step = _ref(query, dict(cache, **caches), cu, pv_quant="u8")
+        _check_close(out, want, step, dict(cache, **caches), "u8", "float16", f"ORT CUDA EP q_lens={q_lens}")
+
+    bad = dict(pf, block_tables=tables.copy())
+    bad["block_tables"][0, 0] = n_blocks + 5
+    sess = cuda_ep(pa_mod.SCHEMA, bad)
+    with pytest.raises(Exception, match=r"PagedAttentionInt8: input 'block_tables' must hold block ids"):
+        sess.run(None, bad)
+    sess.run(None, pf)  # the session still works after a failed Run

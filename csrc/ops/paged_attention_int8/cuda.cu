@@ -36,10 +36,9 @@
 namespace ort_ops {
 namespace {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;  // 8 warps: latency of each stage's phases hidden by the others
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;           // rows of one MMA tile
-constexpr int kMaxPartition = 1024; // larger partition_size values run as 1024 (speed only)
 constexpr float kNegInf = -__builtin_huge_valf();
 
 using pa_fragment::kPvSwapXor;
@@ -55,29 +54,50 @@ static_assert(kPvSwapXor == 2 && pa_fragment::kGroupTokens == 32 && pa_fragment:
               "the kernel's swap (t < 2 keeps x0,x1) assumes the half swap with lane t ^ 2");
 
 // ---- shared-memory layout (host and device agree) ----
-struct Layout {
-  int pp;        // partition rounded up to a whole 64-key tile
-  int s_stride;  // floats per score row; +8 keeps the float2 stores of a half-warp conflict-free
-  int c_stride;  // bytes per code row; = 32 (int8) / 64 (fp16) mod 128: fragment reads conflict-free
-  int g_stride;  // group scales per row
-  int off_s, off_c, off_g, off_misc, bytes;
+// Keys move through the CTA in stages of KT keys, two stages in flight (cp.async, 16-byte
+// copies): while the tensor cores work on stage j, stage j+1 is on its way from memory. A stage
+// holds the INT8 K rows, the INT8 V columns (token innermost, as in the cache) and both
+// per-token scales; nothing is widened on the way.
+template <int D>
+struct Cfg {
+  static constexpr int KT = D >= 256 ? 64 : 128;  // keys per stage
+  static constexpr int KS = D + 16;               // K row stride: the 8 rows of a fragment read hit distinct banks
+  static constexpr int VS = (KT + 127) / 128 * 128 + 64;  // V row stride = 64 mod 128 bytes: conflict-free 16-byte reads
+  static constexpr int K_OFF = 0;
+  static constexpr int V_OFF = K_OFF + KT * KS;
+  static constexpr int SK_OFF = V_OFF + D * VS;
+  static constexpr int SV_OFF = SK_OFF + KT * 4;
+  static constexpr int STAGE = SV_OFF + KT * 4;
+  static constexpr int S_STRIDE = KT + 8;  // floats per score row; +8: float2 stores of a half-warp conflict-free
+  static constexpr int G_STRIDE = KT / 32;
+  static constexpr int c_stride(bool fp16) {  // = 32 (int8) / 64 (fp16) mod 128: fragment reads conflict-free
+    return fp16 ? (2 * KT + 127) / 128 * 128 + 64 : (KT + 127) / 128 * 128 + 32;
+  }
+  static constexpr int S_OFF = 2 * STAGE;
+  static constexpr int C_OFF = S_OFF + kRows * S_STRIDE * 4;
+  static constexpr int g_off(bool fp16) { return C_OFF + kRows * c_stride(fp16); }
+  static constexpr int misc_off(bool fp16) { return g_off(fp16) + kRows * G_STRIDE * 4; }
+  // misc: red_max[kWarps][16], red_sum[kWarps][16], m, l, alpha, beta, mp (16 each), lim (16 ints)
+  static constexpr int bytes(bool fp16) { return misc_off(fp16) + (2 * kWarps * kRows + 6 * kRows) * 4; }
 };
 
-__host__ __device__ inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
-
-__host__ __device__ inline Layout make_layout(int partition, bool fp16_codes) {
-  Layout l;
-  l.pp = round_up(partition, 64);
-  l.s_stride = l.pp + 8;
-  l.c_stride = fp16_codes ? round_up(2 * l.pp, 128) + 64 : round_up(l.pp, 128) + 32;
-  l.g_stride = l.pp / 32;
-  l.off_s = 0;
-  l.off_c = l.off_s + kRows * l.s_stride * 4;
-  l.off_g = l.off_c + kRows * l.c_stride;
-  l.off_misc = l.off_g + kRows * l.g_stride * 4;
-  // misc: red_max[4][16], red_sum[4][16], m, l, alpha, beta, mp (16 each), lim (16 ints)
-  l.bytes = l.off_misc + (2 * kWarps * kRows + 6 * kRows) * 4;
-  return l;
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 // ---- tensor-core wrappers ----
@@ -140,22 +160,27 @@ struct TileShape {
 };
 
 template <int D, PvQuant PV, bool ROWS16>
-__global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
+__global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
+  using C = Cfg<D>;
+  constexpr int KT = C::KT;
   constexpr int QW = D / 16;   // 32-bit words of one row's d slice per lane (D/4 bytes)
-  constexpr int NT = D / 32;   // 8-column n-tiles per warp in P.V (warp owns D/4 columns)
-  constexpr int KU = D >= 256 ? 2 : 4;  // key tiles loaded ahead in phase 1
-  constexpr int VU = D >= 256 ? 1 : 2;  // 64-key V tiles loaded ahead in phase 4
+  constexpr int NT = D / 8 / kWarps;  // 8-column n-tiles per warp in P.V (warp owns D/kWarps columns)
   constexpr bool kF16 = PV == PvQuant::kNone;
   constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
   constexpr int kRi = ROWS16 ? 2 : 1;
+  constexpr int CS = C::c_stride(kF16);
+  constexpr int TPT = kThreads / KT;           // threads per K row in a stage
+  constexpr int NKC = D / 16 / TPT;            // 16-byte K chunks per thread per stage (one row)
+  constexpr int NVC = D * KT / 16 / kThreads;  // 16-byte V chunks per thread per stage (one segment)
+  constexpr int SEGS = KT / 16;                // 16-key segments of a V row in a stage
+  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % KT == 0, "stage shape");
+  static_assert(NT >= 1, "head_dim too small for the warp count");
 
   extern __shared__ __align__(16) unsigned char smem[];
-  const int partition = min(p.partition_size, kMaxPartition);
-  const Layout lay = make_layout(partition, kF16);
-  float* s_sm = reinterpret_cast<float*>(smem + lay.off_s);
-  unsigned char* c_sm = smem + lay.off_c;
-  float* g_sm = reinterpret_cast<float*>(smem + lay.off_g);
-  float* red_max = reinterpret_cast<float*>(smem + lay.off_misc);
+  float* s_sm = reinterpret_cast<float*>(smem + C::S_OFF);
+  unsigned char* c_sm = smem + C::C_OFF;
+  float* g_sm = reinterpret_cast<float*>(smem + C::g_off(kF16));
+  float* red_max = reinterpret_cast<float*>(smem + C::misc_off(kF16));
   float* red_sum = red_max + kWarps * kRows;
   float* row_m = red_sum + kWarps * kRows;
   float* row_l = row_m + kRows;
@@ -167,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_ke
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
   const int G = Hq / Hkv;
+  const int partition = p.partition_size;
 
   // ---- which work this CTA does ----
   Work w;
@@ -198,14 +224,16 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_ke
   const int rows_used = ts.qpt * ts.hpt;
   if (w.qtile * ts.qpt >= w.q_len) return;
   w.seq_len = p.seq_lens[w.s];
-  const int nparts_total = ts.nsplit * ts.ppc;
   if (w.seq_len < w.q_len || w.seq_len > p.max_blocks * B ||
-      w.seq_len > static_cast<int64_t>(nparts_total) * partition) {
+      w.seq_len > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
     return;
   }
   const int last_q = min(w.q_len - 1, w.qtile * ts.qpt + ts.qpt - 1);
   const int key_hi = w.seq_len - w.q_len + last_q + 1;  // keys this tile can see: [0, key_hi)
+  const int k_lo = w.split * ts.ppc * partition;        // this split's keys: [k_lo, k_hi)
+  const int k_hi = min(k_lo + ts.ppc * partition, key_hi);
+  const int nstages = k_hi > k_lo ? (k_hi - k_lo + KT - 1) / KT : 0;
 
   // Row r -> (query token, q head); rows past the tile or the group see no keys.
   auto row_info = [&](int r, int& token, int& head) -> int {
@@ -219,6 +247,75 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_ke
     head = w.h * G + hl;
     return w.seq_len - w.q_len + qi + 1;
   };
+
+  // ---- stage loads: block ids one stage ahead (registers), data two stages ahead (cp.async) ----
+  const int32_t* bt = p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks;
+  const int64_t blk_stride = static_cast<int64_t>(Hkv) * B * D;  // bytes per cache block (K or V)
+  const int lb = p.log2_block_size;
+  auto block_of = [&](int pos) -> int {  // block of a visible position, or -1 (flagged)
+    const int b = bt[pos >> lb];
+    if (b < 0 || b >= p.num_blocks) {
+      atomicOr(p.status, kPaBlockOutOfRange);
+      return -1;
+    }
+    return b;
+  };
+  // Each thread moves one K row slice (NKC chunks of token tid / TPT), one 16-key V segment of
+  // NVC columns and, for tid < KT / 2, one 4-key scale chunk: one block id each per stage.
+  const int ktok = tid / TPT, kpart0 = (tid % TPT) * NKC;
+  const int vseg = tid % SEGS, vd0 = tid / SEGS;
+  const int stok = 4 * (tid % (KT / 4));
+  struct Ids {
+    int k, v, sc;
+  };
+  auto load_ids = [&](int j, Ids& ids) {
+    const int kp0 = k_lo + j * KT;
+    const int kend = min(kp0 + KT, k_hi);
+    const bool live = j < nstages;
+    ids.k = (live && kp0 + ktok < kend) ? block_of(kp0 + ktok) : -1;
+    ids.v = (live && kp0 + 16 * vseg < kend) ? block_of(kp0 + 16 * vseg) : -1;
+    ids.sc = (live && tid < KT / 2 && kp0 + stok < kend) ? block_of(kp0 + stok) : -1;
+  };
+  auto issue = [&](int j, const Ids& ids) {
+    unsigned char* st = smem + (j & 1) * C::STAGE;
+    const int kp0 = k_lo + j * KT;
+    {
+      const bool ok = ids.k >= 0;
+      const int8_t* src = ok ? p.key_cache + ids.k * blk_stride +
+                                   (static_cast<int64_t>(w.h) * B + ((kp0 + ktok) & (B - 1))) * D + kpart0 * 16
+                             : p.key_cache;
+      unsigned char* dst = st + C::K_OFF + ktok * C::KS + kpart0 * 16;
+#pragma unroll
+      for (int i = 0; i < NKC; ++i) cp_async16(dst + 16 * i, ok ? src + 16 * i : src, ok);
+    }
+    {
+      const bool ok = ids.v >= 0;
+      const int8_t* src = ok ? p.value_cache + ids.v * blk_stride +
+                                   (static_cast<int64_t>(w.h) * D + vd0) * B + ((kp0 + 16 * vseg) & (B - 1))
+                             : p.value_cache;
+      const int64_t src_step = static_cast<int64_t>(kThreads / SEGS) * B;
+      unsigned char* dst = st + C::V_OFF + vd0 * C::VS + 16 * vseg;
+#pragma unroll
+      for (int i = 0; i < NVC; ++i)
+        cp_async16(dst + i * (kThreads / SEGS) * C::VS, ok ? src + i * src_step : src, ok);
+    }
+    if (tid < KT / 2) {
+      const bool is_v = tid >= KT / 4;
+      const bool ok = ids.sc >= 0;
+      const float* base = is_v ? p.value_scale : p.key_scale;
+      const float* src = ok ? base + (static_cast<int64_t>(ids.sc) * Hkv + w.h) * B + ((kp0 + stok) & (B - 1)) : base;
+      cp_async16(st + (is_v ? C::SV_OFF : C::SK_OFF) + stok * 4, src, ok);
+    }
+    cp_async_commit();
+  };
+
+  Ids ids_next;
+  load_ids(0, ids_next);
+  issue(0, ids_next);
+  load_ids(1, ids_next);
+  issue(1, ids_next);
+  load_ids(2, ids_next);
+
   if (tid < kRows) {
     int tok, hd;
     row_lim[tid] = row_info(tid, tok, hd);
@@ -282,85 +379,57 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_ke
       qa[ri][wd] = packed;
     }
   }
-  __syncthreads();
-
-  const int32_t* bt = p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks;
-  const int64_t blk_stride = static_cast<int64_t>(Hkv) * B * D;  // bytes per cache block (K or V)
-  auto block_of = [&](int pos) -> int {  // block of a visible position, or -1 (flagged)
-    const int b = bt[pos / B];
-    if (b < 0 || b >= p.num_blocks) {
-      atomicOr(p.status, kPaBlockOutOfRange);
-      return -1;
-    }
-    return b;
-  };
 
   float o[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  const int dbase = warp * (D / 4);
+  const int dbase = warp * (D / kWarps);
 
-  const int nparts_cta = (key_hi + partition - 1) / partition;
-  const int p_begin = w.split * ts.ppc;
-  const int p_end = min(p_begin + ts.ppc, nparts_cta);
-  for (int part = p_begin; part < p_end; ++part) {
-    const int kp0 = part * partition;
-    const int kend = min(kp0 + partition, key_hi);
+  for (int j = 0; j < nstages; ++j) {
+    cp_async_wait<1>();  // stage j has landed (stage j+1 may still be in flight)
+    __syncthreads();
+    const unsigned char* st = smem + (j & 1) * C::STAGE;
+    const unsigned char* k_sm = st + C::K_OFF;
+    const unsigned char* v_sm = st + C::V_OFF;
+    const float* sk_sm = reinterpret_cast<const float*>(st + C::SK_OFF);
+    const float* sv_sm = reinterpret_cast<const float*>(st + C::SV_OFF);
+    const int kp0 = k_lo + j * KT;
+    const int kend = min(kp0 + KT, k_hi);
     const int nkeys = kend - kp0;
 
-    // ---- phase 1: scores ----
+    // ---- phase 1: scores (K fragments from shared memory) ----
     float pmax[kRi];
 #pragma unroll
     for (int ri = 0; ri < kRi; ++ri) pmax[ri] = kNegInf;
     const int n8 = (nkeys + 7) / 8;
-    for (int base = warp; base < n8; base += kWarps * KU) {
-      uint32_t kw[KU][QW];
-      int kblk[KU];
 #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        const int nt = base + u * kWarps;
-        kblk[u] = -1;
-        if (nt < n8) {
-          const int tile0 = kp0 + nt * 8;  // 8 keys of one block (B % 16 == 0)
-          kblk[u] = block_of(tile0);
-          const int tok = tile0 + g;
-          if (kblk[u] >= 0 && tok < kend) {
-            const uint4* src = reinterpret_cast<const uint4*>(
-                p.key_cache + kblk[u] * blk_stride + (static_cast<int64_t>(w.h) * B + tok % B) * D + t * (D / 4));
+    for (int u = 0; u < (KT / 8 + kWarps - 1) / kWarps; ++u) {
+      const int nt = warp + kWarps * u;
+      if (nt >= n8) break;  // warp-uniform
+      uint32_t kw[QW];
+      const uint4* src = reinterpret_cast<const uint4*>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4));
 #pragma unroll
-            for (int i = 0; i < D / 64; ++i) {
-              const uint4 v = src[i];
-              kw[u][4 * i] = v.x;
-              kw[u][4 * i + 1] = v.y;
-              kw[u][4 * i + 2] = v.z;
-              kw[u][4 * i + 3] = v.w;
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < QW; ++i) kw[u][i] = 0u;
-          }
-        }
+      for (int i = 0; i < D / 64; ++i) {
+        const uint4 v = src[i];
+        kw[4 * i] = v.x;
+        kw[4 * i + 1] = v.y;
+        kw[4 * i + 2] = v.z;
+        kw[4 * i + 3] = v.w;
       }
+      int acc[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        const int nt = base + u * kWarps;
-        if (nt >= n8) break;  // warp-uniform
-        int acc[4] = {0, 0, 0, 0};
+      for (int c = 0; c < D / 32; ++c)
+        mma_i8<false>(acc, qa[0][2 * c], ROWS16 ? qa[kRi - 1][2 * c] : 0u, qa[0][2 * c + 1],
+                      ROWS16 ? qa[kRi - 1][2 * c + 1] : 0u, kw[2 * c], kw[2 * c + 1]);
+      const int kc = nt * 8 + 2 * t;  // this lane's two score columns (stage offsets)
+      const float2 sk = *reinterpret_cast<const float2*>(sk_sm + kc);
 #pragma unroll
-        for (int c = 0; c < D / 32; ++c)
-          mma_i8<false>(acc, qa[0][2 * c], ROWS16 ? qa[kRi - 1][2 * c] : 0u, qa[0][2 * c + 1],
-                        ROWS16 ? qa[kRi - 1][2 * c + 1] : 0u, kw[u][2 * c], kw[u][2 * c + 1]);
-        const int tokc = kp0 + nt * 8 + 2 * t;  // this lane's two score columns
-        float2 sk = make_float2(0.0f, 0.0f);
-        if (kblk[u] >= 0 && tokc < kend)
-          sk = *reinterpret_cast<const float2*>(p.key_scale + (static_cast<int64_t>(kblk[u]) * Hkv + w.h) * B + tokc % B);
-#pragma unroll
-        for (int ri = 0; ri < kRi; ++ri) {
-          const float s0 = tokc < lim[ri] ? ((static_cast<float>(acc[2 * ri]) * sq[ri]) * sk.x) * p.scale : kNegInf;
-          const float s1 = tokc + 1 < lim[ri] ? ((static_cast<float>(acc[2 * ri + 1]) * sq[ri]) * sk.y) * p.scale : kNegInf;
-          pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
-          *reinterpret_cast<float2*>(s_sm + (g + 8 * ri) * lay.s_stride + (tokc - kp0)) = make_float2(s0, s1);
-        }
+      for (int ri = 0; ri < kRi; ++ri) {
+        const int lim_rel = min(lim[ri], kend) - kp0;
+        const float s0 = kc < lim_rel ? ((static_cast<float>(acc[2 * ri]) * sq[ri]) * sk.x) * p.scale : kNegInf;
+        const float s1 = kc + 1 < lim_rel ? ((static_cast<float>(acc[2 * ri + 1]) * sq[ri]) * sk.y) * p.scale : kNegInf;
+        pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
+        *reinterpret_cast<float2*>(s_sm + (g + 8 * ri) * C::S_STRIDE + kc) = make_float2(s0, s1);
       }
     }
 #pragma unroll
@@ -385,160 +454,147 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_ke
     }
     __syncthreads();
 
-    // ---- phase 3: W = exp(s - m_p) * sV, per-group codes and scales ----
-    const int nchunk = lay.pp / 4;  // 4 keys per thread per step; 8 threads = one 32-key group
-    for (int r = 0; r < rows_used; ++r) {
-      const float m = row_mp[r];
-      const float beta = row_beta[r];
-      const int lim_rel = min(row_lim[r], kend) - kp0;
+    // ---- phase 3: W = exp(s - m_stage) * sV, per-group codes and scales ----
+    constexpr int NCHUNK = KT / 4;  // 4 keys per thread per row; 8 threads = one 32-key group
+    for (int r0 = 0; r0 < rows_used; r0 += kThreads / NCHUNK) {
+      const int r = r0 + tid / NCHUNK;
+      const int c = tid % NCHUNK;
+      const int k = 4 * c;
+      const bool row_ok = r < rows_used;
+      const float m = row_ok ? row_mp[r] : 0.0f;
+      const float beta = row_ok ? row_beta[r] : 0.0f;
+      const int lim_rel = row_ok ? min(row_lim[r], kend) - kp0 : 0;
+      float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       float lsum = 0.0f;
-      for (int c0 = 0; c0 < nchunk; c0 += kThreads) {
-        const int c = c0 + tid;
-        const int k = 4 * c;  // key offset in the partition
-        float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (k < lim_rel) {
-          const float4 sc = *reinterpret_cast<const float4*>(s_sm + r * lay.s_stride + k);
-          const int b = block_of(kp0 + k);
-          float4 sv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          if (b >= 0)
-            sv = *reinterpret_cast<const float4*>(p.value_scale + (static_cast<int64_t>(b) * Hkv + w.h) * B + (kp0 + k) % B);
-          const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
-          const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
+      if (k < lim_rel) {
+        const float4 sc = *reinterpret_cast<const float4*>(s_sm + r * C::S_STRIDE + k);
+        const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
+        const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
+        const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if (k + j < lim_rel) {
-              const float e = expf(scv[j] - m);
-              lsum += e;
-              wv[j] = e * svv[j];
-            }
-          }
-        }
-        float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
-        gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
-        gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
-        gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 4));
-        if (c < nchunk) {
-          if constexpr (kF16) {
-            __half hv[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) hv[j] = __float2half_rn(gmax > 0.0f ? __fdiv_rn(wv[j], gmax) : 0.0f);
-            *reinterpret_cast<uint2*>(c_sm + r * lay.c_stride + 2 * k) = *reinterpret_cast<const uint2*>(hv);
-            if ((c & 7) == 0) g_sm[r * lay.g_stride + (c >> 3)] = gmax * beta;
-          } else {
-            const float inv = gmax > 0.0f ? __fdiv_rn(kLevels, gmax) : 0.0f;
-            uint32_t packed = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float q = fminf(rintf(__fmul_rn(wv[j], inv)), kLevels);
-              packed |= (static_cast<uint32_t>(q) & 0xffu) << (8 * j);
-            }
-            *reinterpret_cast<uint32_t*>(c_sm + r * lay.c_stride + k) = packed;
-            if ((c & 7) == 0) g_sm[r * lay.g_stride + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
+        for (int jj = 0; jj < 4; ++jj) {
+          if (k + jj < lim_rel) {
+            const float e = __expf(scv[jj] - m);  // ex2.approx: a few ulp, W codes tolerate it
+            lsum += e;
+            wv[jj] = e * svv[jj];
           }
         }
       }
+      float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
+      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
+      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
+      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 4));
+      if (row_ok) {
+        if constexpr (kF16) {
+          __half hv[4];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-      if (lane == 0) red_sum[warp * kRows + r] = lsum;
+          for (int jj = 0; jj < 4; ++jj) hv[jj] = __float2half_rn(gmax > 0.0f ? __fdiv_rn(wv[jj], gmax) : 0.0f);
+          *reinterpret_cast<uint2*>(c_sm + r * CS + 2 * k) = *reinterpret_cast<const uint2*>(hv);
+          if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = gmax * beta;
+        } else {
+          const float inv = gmax > 0.0f ? __fdiv_rn(kLevels, gmax) : 0.0f;
+          uint32_t packed = 0;
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const float q = fminf(rintf(__fmul_rn(wv[jj], inv)), kLevels);
+            packed |= (static_cast<uint32_t>(q) & 0xffu) << (8 * jj);
+          }
+          *reinterpret_cast<uint32_t*>(c_sm + r * CS + k) = packed;
+          if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
+        }
+      }
+      // Row sums: NCHUNK (16 or 32) consecutive threads hold one row.
+#pragma unroll
+      for (int off = NCHUNK >= 32 ? 16 : NCHUNK / 2; off > 0; off >>= 1)
+        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+      if (row_ok && c % 32 == 0) red_sum[(c / 32) * kRows + r] = lsum;
     }
     __syncthreads();
     if (tid < rows_used) {
-      float l = red_sum[tid];
+      float l = 0.0f;
 #pragma unroll
-      for (int i = 1; i < kWarps; ++i) l += red_sum[i * kRows + tid];
+      for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += red_sum[i * kRows + tid];
       row_l[tid] = row_alpha[tid] * row_l[tid] + row_beta[tid] * l;
     }
 
-    // ---- phase 4: P.V on the tensor cores ----
+    // ---- phase 4: P.V on the tensor cores (V fragments from shared memory) ----
     {
       const float al0 = row_alpha[g];
       const float al1 = ROWS16 ? row_alpha[g + 8] : 0.0f;
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        o[j][0] *= al0;
-        o[j][1] *= al0;
-        o[j][2] *= al1;
-        o[j][3] *= al1;
+      for (int jn = 0; jn < NT; ++jn) {
+        o[jn][0] *= al0;
+        o[jn][1] *= al0;
+        o[jn][2] *= al1;
+        o[jn][3] *= al1;
       }
     }
     const int n64 = (nkeys + 63) / 64;
-    for (int i0 = 0; i0 < n64; i0 += VU) {
-      uint4 xv[VU][NT];
 #pragma unroll
-      for (int u = 0; u < VU; ++u) {
-        const int ti = i0 + u;
-        const int tok = kp0 + 64 * ti + 16 * t;  // 16 keys of one block (B % 16 == 0)
-        const int b = (ti < n64 && tok < kend) ? block_of(tok) : -1;
-        if (b >= 0) {
-          const int8_t* src = p.value_cache + b * blk_stride + (static_cast<int64_t>(w.h) * D + dbase + g) * B + tok % B;
+    for (int ti = 0; ti < KT / 64; ++ti) {
+      if (ti >= n64) break;  // warp-uniform
+      // A fragments and group scales of the tile's two groups (rows g and g+8).
+      uint32_t a[2][kF16 ? 8 : 4];
+      float gs[2][2];
 #pragma unroll
-          for (int j = 0; j < NT; ++j) xv[u][j] = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(8 * j) * B);
+      for (int grp = 0; grp < 2; ++grp) {
+        const int tok0 = 64 * ti + 32 * grp + pv_token_base(t);
+        gs[grp][0] = g_sm[g * C::G_STRIDE + 2 * ti + grp];
+        gs[grp][1] = ROWS16 ? g_sm[(g + 8) * C::G_STRIDE + 2 * ti + grp] : 0.0f;
+        if constexpr (kF16) {
+          const uint4 r0 = *reinterpret_cast<const uint4*>(c_sm + g * CS + 2 * tok0);
+          uint4 r1 = make_uint4(0u, 0u, 0u, 0u);
+          if (ROWS16) r1 = *reinterpret_cast<const uint4*>(c_sm + (g + 8) * CS + 2 * tok0);
+          // k16 MMA #1 takes keys tok0+0..3, #2 takes tok0+4..7 (slots 2t,2t+1 then 2t+8,2t+9).
+          a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
+          a[grp][4] = r0.z; a[grp][5] = r1.z; a[grp][6] = r0.w; a[grp][7] = r1.w;
         } else {
-#pragma unroll
-          for (int j = 0; j < NT; ++j) xv[u][j] = make_uint4(0u, 0u, 0u, 0u);
+          const uint2 r0 = *reinterpret_cast<const uint2*>(c_sm + g * CS + tok0);
+          uint2 r1 = make_uint2(0u, 0u);
+          if (ROWS16) r1 = *reinterpret_cast<const uint2*>(c_sm + (g + 8) * CS + tok0);
+          a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
         }
       }
 #pragma unroll
-      for (int u = 0; u < VU; ++u) {
-        const int ti = i0 + u;
-        if (ti >= n64) break;  // warp-uniform
-        // A fragments and group scales of the tile's two groups (rows g and g+8).
-        uint32_t a[2][kF16 ? 8 : 4];
-        float gs[2][2];
+      for (int jn = 0; jn < NT; ++jn) {
+        // One 16-byte read: keys 64ti+16t .. +15 of output column dbase + 8jn + g.
+        const uint4 x = *reinterpret_cast<const uint4*>(v_sm + (dbase + 8 * jn + g) * C::VS + 64 * ti + 16 * t);
+        // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
+        // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
+        const bool lo = t < 2;
+        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, lo ? x.z : x.x, kPvSwapXor);
+        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, lo ? x.w : x.y, kPvSwapXor);
+        const uint32_t b[2][2] = {{lo ? x.x : r0, lo ? x.y : r1}, {lo ? r0 : x.z, lo ? r1 : x.w}};
 #pragma unroll
         for (int grp = 0; grp < 2; ++grp) {
-          const int tok0 = 64 * ti + 32 * grp + pv_token_base(t);
-          gs[grp][0] = g_sm[g * lay.g_stride + 2 * ti + grp];
-          gs[grp][1] = ROWS16 ? g_sm[(g + 8) * lay.g_stride + 2 * ti + grp] : 0.0f;
           if constexpr (kF16) {
-            const uint4 r0 = *reinterpret_cast<const uint4*>(c_sm + g * lay.c_stride + 2 * tok0);
-            uint4 r1 = make_uint4(0u, 0u, 0u, 0u);
-            if (ROWS16) r1 = *reinterpret_cast<const uint4*>(c_sm + (g + 8) * lay.c_stride + 2 * tok0);
-            // k16 MMA #1 takes keys tok0+0..3, #2 takes tok0+4..7 (slots 2t,2t+1 then 2t+8,2t+9).
-            a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
-            a[grp][4] = r0.z; a[grp][5] = r1.z; a[grp][6] = r0.w; a[grp][7] = r1.w;
+            uint32_t h0, h1, h2, h3;
+            s8x4_to_half2x2(b[grp][0], h0, h1);
+            s8x4_to_half2x2(b[grp][1], h2, h3);
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_f16(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], h0, h1);
+            mma_f16(acc, a[grp][4], a[grp][5], a[grp][6], a[grp][7], h2, h3);
+            o[jn][0] += gs[grp][0] * acc[0];
+            o[jn][1] += gs[grp][0] * acc[1];
+            o[jn][2] += gs[grp][1] * acc[2];
+            o[jn][3] += gs[grp][1] * acc[3];
           } else {
-            const uint2 r0 = *reinterpret_cast<const uint2*>(c_sm + g * lay.c_stride + tok0);
-            uint2 r1 = make_uint2(0u, 0u);
-            if (ROWS16) r1 = *reinterpret_cast<const uint2*>(c_sm + (g + 8) * lay.c_stride + tok0);
-            a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4 x = xv[u][j];
-          // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
-          // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
-          const bool lo = t < 2;
-          const uint32_t r0 = __shfl_xor_sync(0xffffffffu, lo ? x.z : x.x, kPvSwapXor);
-          const uint32_t r1 = __shfl_xor_sync(0xffffffffu, lo ? x.w : x.y, kPvSwapXor);
-          const uint32_t b[2][2] = {{lo ? x.x : r0, lo ? x.y : r1}, {lo ? r0 : x.z, lo ? r1 : x.w}};
-#pragma unroll
-          for (int grp = 0; grp < 2; ++grp) {
-            if constexpr (kF16) {
-              uint32_t h0, h1, h2, h3;
-              s8x4_to_half2x2(b[grp][0], h0, h1);
-              s8x4_to_half2x2(b[grp][1], h2, h3);
-              float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-              mma_f16(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], h0, h1);
-              mma_f16(acc, a[grp][4], a[grp][5], a[grp][6], a[grp][7], h2, h3);
-              o[j][0] += gs[grp][0] * acc[0];
-              o[j][1] += gs[grp][0] * acc[1];
-              o[j][2] += gs[grp][1] * acc[2];
-              o[j][3] += gs[grp][1] * acc[3];
-            } else {
-              int acc[4] = {0, 0, 0, 0};
-              mma_i8<PV == PvQuant::kU8>(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], b[grp][0], b[grp][1]);
-              o[j][0] += gs[grp][0] * static_cast<float>(acc[0]);
-              o[j][1] += gs[grp][0] * static_cast<float>(acc[1]);
-              o[j][2] += gs[grp][1] * static_cast<float>(acc[2]);
-              o[j][3] += gs[grp][1] * static_cast<float>(acc[3]);
-            }
+            int acc[4] = {0, 0, 0, 0};
+            mma_i8<PV == PvQuant::kU8>(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], b[grp][0], b[grp][1]);
+            o[jn][0] += gs[grp][0] * static_cast<float>(acc[0]);
+            o[jn][1] += gs[grp][0] * static_cast<float>(acc[1]);
+            o[jn][2] += gs[grp][1] * static_cast<float>(acc[2]);
+            o[jn][3] += gs[grp][1] * static_cast<float>(acc[3]);
           }
         }
       }
     }
+    __syncthreads();  // every warp is done with stage j's buffer and the codes
+    if (j + 2 < nstages) issue(j + 2, ids_next);
+    else cp_async_commit();  // an empty group keeps wait_group<1> counting stages
+    load_ids(j + 3, ids_next);
   }
+  cp_async_wait<0>();
   __syncthreads();
 
   // ---- write O / l (and m, l for the merge when the keys were split) ----
@@ -550,9 +606,9 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 2 : 3) paged_attention_ke
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     const int64_t row = static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int d = dbase + 8 * j + 2 * t;
-      const float v0 = o[j][2 * ri] * inv, v1 = o[j][2 * ri + 1] * inv;
+    for (int jn = 0; jn < NT; ++jn) {
+      const int d = dbase + 8 * jn + 2 * t;
+      const float v0 = o[jn][2 * ri] * inv, v1 = o[jn][2 * ri + 1] * inv;
       if (ts.nsplit == 1) {
         if (p.query_fp16)
           *reinterpret_cast<__half2*>(static_cast<__half*>(p.output) + row * D + d) = __floats2half2_rn(v0, v1);
@@ -617,6 +673,14 @@ int sm_count() {
   return count;
 }
 
+int smem_bytes(int head_dim, bool fp16_codes) {
+  switch (head_dim) {
+    case 64: return Cfg<64>::bytes(fp16_codes);
+    case 128: return Cfg<128>::bytes(fp16_codes);
+    default: return Cfg<256>::bytes(fp16_codes);
+  }
+}
+
 TileShape tile_shape(const PagedAttentionParams& p) {
   TileShape ts;
   const int G = p.num_heads / p.num_kv_heads;
@@ -624,15 +688,27 @@ TileShape tile_shape(const PagedAttentionParams& p) {
   ts.n_ht = (G + kRows - 1) / kRows;
   ts.qpt = std::max(1, std::min(kRows / ts.hpt, p.max_q_len));
   ts.n_qt = (p.max_q_len + ts.qpt - 1) / ts.qpt;
-  const int partition = std::min(p.partition_size, kMaxPartition);
+  const int partition = p.partition_size;
   const int nparts = std::max(1, (p.max_context + partition - 1) / partition);
   int nsplit = p.num_splits;
   if (nsplit <= 0) {
-    // Enough CTAs for several waves (4 CTAs of 4 warps per SM x 4), splitting the keys only as
-    // far as that needs: every extra split costs a partial output write and read.
+    // Pick the split count by a wave model: CTAs resident at once (shared memory bound, 228 KB
+    // per SM), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys). Fewer splits
+    // win ties: each extra split costs a partial-output write and read plus the merge.
+    const int per_sm = std::max(1, std::min(4, 233472 / (smem_bytes(p.head_dim, p.pv_quant == PvQuant::kNone) + 1024)));
+    const int64_t conc = static_cast<int64_t>(sm_count()) * per_sm;
     const int64_t base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.n_qt;
-    const int64_t target = static_cast<int64_t>(sm_count()) * 16;
-    nsplit = static_cast<int>(std::min<int64_t>(nparts, std::max<int64_t>(1, (target + base - 1) / base)));
+    int64_t best_cost = -1;
+    for (int ns = 1; ns <= nparts; ++ns) {
+      const int ppc = (nparts + ns - 1) / ns;
+      if ((nparts + ppc - 1) / ppc != ns) continue;  // same as a smaller ns
+      const int64_t waves = (base * ns + conc - 1) / conc;
+      const int64_t cost = waves * (static_cast<int64_t>(ppc) * partition + 128);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        nsplit = ns;
+      }
+    }
   }
   nsplit = std::min(nsplit, nparts);
   ts.ppc = (nparts + nsplit - 1) / nsplit;
@@ -643,16 +719,16 @@ TileShape tile_shape(const PagedAttentionParams& p) {
 template <int D, PvQuant PV>
 cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cudaStream_t stream) {
   const int rows_used = ts.qpt * ts.hpt;
-  const Layout lay = make_layout(std::min(p.partition_size, kMaxPartition), PV == PvQuant::kNone);
+  const int bytes = Cfg<D>::bytes(PV == PvQuant::kNone);
   const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.nsplit * ts.n_qt;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (ctas == 0) return cudaSuccess;
   auto kernel = rows_used > 8 ? paged_attention_kernel<D, PV, true> : paged_attention_kernel<D, PV, false>;
-  if (lay.bytes > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lay.bytes);
+  if (bytes > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(ctas), kThreads, lay.bytes, stream>>>(p, ts);
+  kernel<<<static_cast<unsigned>(ctas), kThreads, bytes, stream>>>(p, ts);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || ts.nsplit == 1) return err;
   merge_splits_kernel<D><<<static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads), D / 4, 0, stream>>>(
@@ -675,8 +751,8 @@ cudaError_t launch_d(const PagedAttentionParams& p, const TileShape& ts, cudaStr
 const char* paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
     return "head_dim must be one of {64, 128, 256} on CUDA";
-  if (p.block_size < 16 || p.block_size % 16 != 0)
-    return "block_size must be a multiple of 16 on CUDA (16-byte V loads within one block)";
+  if (p.block_size < 16 || (p.block_size & (p.block_size - 1)) != 0)
+    return "block_size must be a power of two >= 16 on CUDA (16-byte V loads within one block)";
   if (p.partition_size <= 0 || p.partition_size % 32 != 0) return "partition_size must be a positive multiple of 32";
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return "query heads must be a multiple of kv heads";
   if (p.max_q_len < 1) return "max_q_len must be >= 1";
@@ -698,10 +774,13 @@ cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStrea
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
   const TileShape ts = tile_shape(p);
   if (ts.nsplit > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
+  PagedAttentionParams q = p;
+  q.log2_block_size = 0;
+  while ((1 << q.log2_block_size) < q.block_size) ++q.log2_block_size;
   switch (p.head_dim) {
-    case 64: return launch_d<64>(p, ts, stream);
-    case 128: return launch_d<128>(p, ts, stream);
-    case 256: return launch_d<256>(p, ts, stream);
+    case 64: return launch_d<64>(q, ts, stream);
+    case 128: return launch_d<128>(q, ts, stream);
+    case 256: return launch_d<256>(q, ts, stream);
   }
   return cudaErrorInvalidValue;
 }

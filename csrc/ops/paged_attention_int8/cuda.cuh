@@ -8,7 +8,7 @@
 //   key_cache    int8 [N, Hkv, B, D]            value_cache int8 [N, Hkv, D, B] (token innermost)
 //   key_scale    float32 [N, Hkv, B]            value_scale float32 [N, Hkv, B]
 //   block_tables int32 [S, M]   seq_lens int32 [S]   cu_seqlens_q int32 [S + 1] or null (decode)
-// Supported here: D in {64, 128, 256}; B a multiple of 16 (16-byte V loads of one block);
+// Supported here: D in {64, 128, 256}; B a power of two >= 16 (16-byte V loads of one block);
 // qk_quant s8; pv_quant s8, u8 or none (float P.V twin on fp16 tensor cores).
 #pragma once
 
@@ -46,7 +46,8 @@ struct PagedAttentionParams {
   int num_heads = 0;                      // Hq
   int num_kv_heads = 0;                   // Hkv
   int head_dim = 0;                       // D
-  int block_size = 0;                     // B
+  int block_size = 0;                     // B (a power of two >= 16)
+  int log2_block_size = 0;                // set by the launcher
   int max_blocks = 0;                     // M
   int num_blocks = 0;                     // N
   int max_q_len = 1;    // upper bound on any sequence's query count (decode: 1; prefill: T)
