@@ -281,3 +281,21 @@ def test_two_blocks_in_one_model(rng):
     y0 = ml.moe_layer_int8_reference(x, q0, *ml.route(x, w0.router, K, True))
     want = ml.moe_layer_int8_reference(y0, q1, *ml.route(y0, w1.router, K, False))
     assert np.max(np.abs(got - want)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(want))
+
+
+def test_full_rewrite_of_kv_model_runs_paged():
+    """The default ``ort-ops rewrite`` pipeline (MoE, then attention) on the KV-cache fixture:
+    the MoE block is fused, the attention fusion still finds its pattern in the MoE-rewritten
+    model, and the result decodes on the paged runtime."""
+    from ort_ops.rewrite.pipeline import RewriteOptions, run_fusions
+    from ort_ops.runtime import generate
+
+    model = ir.load(str(FIXTURES / "qwen3moe_tfexport_kv.onnx"))
+    results = {r.kind: r for r in run_fusions(model, RewriteOptions())}
+    assert results["moe"].fused == 1, results["moe"].declined
+    assert results["attention"].fused == 1, results["attention"].declined
+    proto = ir.to_proto(model)
+    census = collections.Counter(n.op_type for n in proto.graph.node)
+    assert census["GroupedMatmulSwigluQuant"] == 1 and census["PagedAttentionInt8"] == 1
+    gens = generate(proto, [[5, 6, 7, 8], [9, 10]], max_new_tokens=6, return_logits=True)
+    assert all(len(g.tokens) == 6 and np.all(np.isfinite(g.logits)) for g in gens)
