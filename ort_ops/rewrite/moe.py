@@ -568,30 +568,50 @@ def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dic
     return feeds
 
 
-def _run_probe(model: ir.Model, wanted: list[ir.Value], tokens: int) -> dict[str, np.ndarray]:
-    """Runs the (unmodified) model on synthetic inputs of ``tokens`` positions and returns the
-    wanted intermediate values by name."""
-    import onnx
-    import onnxruntime as ort
+# Models whose initializers exceed this are probed from a temporary file with external data
+# (a serialized protobuf cannot exceed 2 GiB).
+PROBE_INLINE_LIMIT = 1 << 30
 
-    proto = ir.serde.serialize_model(model)
-    have = {o.name for o in proto.graph.output}
-    for v in wanted:
-        if v.name not in have:
-            proto.graph.output.append(onnx.ValueInfoProto(name=v.name))
-            have.add(v.name)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 4
-    if any(op.domain == DOMAIN for op in proto.graph.node):
-        from ort_ops._lib import session_options
 
-        so = session_options()
+class _Prober:
+    """One onnxruntime session of the (unmodified) model with the wanted intermediate values as
+    extra outputs; ``run(tokens)`` feeds synthetic inputs of that many positions."""
+
+    def __init__(self, model: ir.Model, wanted: list[ir.Value]):
+        import tempfile
+
+        import onnxruntime as ort
+
+        self.model = model
+        self.names = [v.name for v in wanted]
+        if any(op.domain == DOMAIN for op in model.graph):
+            from ort_ops._lib import session_options
+
+            so = session_options()
+        else:
+            so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    names = [v.name for v in wanted]
-    feeds = _probe_inputs(model.graph, tokens, np.random.default_rng(tokens))
-    return dict(zip(names, sess.run(names, feeds)))
+        so.log_severity_level = 4
+        graph = model.graph
+        added = [v for v in dict.fromkeys(wanted) if not v.is_graph_output()]
+        graph.outputs.extend(added)  # taken out again below: the caller's model is unchanged
+        try:
+            size = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+            if size > PROBE_INLINE_LIMIT:
+                with tempfile.TemporaryDirectory(prefix="ort_ops_moe_probe_") as tmp:
+                    path = f"{tmp}/probe.onnx"
+                    ir.save(model, path, external_data="probe.onnx.data")
+                    self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+            else:
+                data = ir.serde.serialize_model(model).SerializeToString()
+                self.session = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        finally:
+            for v in added:
+                graph.outputs.remove(v)
+
+    def run(self, tokens: int) -> dict[str, np.ndarray]:
+        feeds = _probe_inputs(self.model.graph, tokens, np.random.default_rng(tokens))
+        return dict(zip(self.names, self.session.run(self.names, feeds)))
 
 
 def _matches(got: np.ndarray, want: np.ndarray) -> bool:
@@ -605,6 +625,13 @@ def _matches(got: np.ndarray, want: np.ndarray) -> bool:
 # candidates
 
 
+def _already_fused(topk: ir.Node) -> bool:
+    """The TopK's ids already feed our MoeInitRouting (a model rewritten before)."""
+    users = _consumers(topk.outputs[1])
+    users += [u for n in users if n.op_type == "Cast" for u in _consumers(n.outputs[0])]
+    return any(n.domain == DOMAIN and n.op_type == "MoeInitRouting" for n in users)
+
+
 def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
     cands, declined = [], []
     for n in graph:
@@ -612,6 +639,8 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
             continue  # (our own router of a rewritten com.microsoft MoE is not a candidate)
         if n.inputs[0].dtype is not None and not n.inputs[0].dtype.is_floating_point():
             continue  # an argsort of expert ids (transformers' grouped form), not a router
+        if _already_fused(n):
+            continue
         try:
             x, w_router, how = _find_router(n)
         except _Declined as e:
@@ -950,13 +979,14 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
         wanted = list({id(v): v for v in wanted}.values())
         probes, probe_error = [], None
         try:
+            prober = _Prober(model, wanted)
             for t in PROBE_TOKENS[:2]:
-                probes.append(_run_probe(model, wanted, t))
+                probes.append(prober.run(t))
             # A long prompt hitting every expert checks every expert's weights; retry longer if not.
             for c in cands:
                 hit = np.unique(probes[0][c.ids.name])
                 if hit.size < c.num_experts:
-                    probes.append(_run_probe(model, wanted, PROBE_TOKENS[2]))
+                    probes.append(prober.run(PROBE_TOKENS[2]))
                     break
         except Exception as e:  # the original model itself fails on a probe: nothing is provable
             probe_error = ("the original model fails on probe inputs (a 1-token or longer prompt): a graph "

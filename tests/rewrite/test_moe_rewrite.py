@@ -299,3 +299,21 @@ def test_full_rewrite_of_kv_model_runs_paged():
     assert census["GroupedMatmulSwigluQuant"] == 1 and census["PagedAttentionInt8"] == 1
     gens = generate(proto, [[5, 6, 7, 8], [9, 10]], max_new_tokens=6, return_logits=True)
     assert all(len(g.tokens) == 6 and np.all(np.isfinite(g.logits)) for g in gens)
+
+
+def test_rewrite_is_idempotent_and_probes_large_models_from_a_file(monkeypatch):
+    """A rewritten model rewritten again is left as it is, silently; a model over the inline
+    limit is probed from a temporary file with external data (forced here by a zero limit)."""
+    import ort_ops.rewrite.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "PROBE_INLINE_LIMIT", 0)
+    model = ir.load(str(FIXTURES / "mixtral_dynamo_batched.onnx"))
+    outputs = [v.name for v in model.graph.outputs]
+    first = fuse_moe(model)
+    assert first.fused == 1, first.declined
+    assert [v.name for v in model.graph.outputs] == outputs  # probe outputs taken out again
+    again = fuse_moe(model)
+    assert again.fused == 0 and not again.declined
+    ref = np.load(FIXTURES / "mixtral_dynamo_batched.npz")
+    got = _logits(ir.to_proto(model).SerializeToString(), ref["input_ids"])
+    assert ml.relative_l2(got, ref["logits"][0]) <= MOE_REWRITE_LOGITS_REL_L2
