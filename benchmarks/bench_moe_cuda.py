@@ -7,6 +7,7 @@ so M = T * k routed rows, sorted by expert (uniform random routing, k distinct e
 Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed (by
 reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
   ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out)
+  packed B  ours with the weights pre-packed per 128-column tile (cuda.cuh weight_layout 1)
   floor     the same launch with every group empty (memset + launch + tile map + tail fill):
             the op's fixed cost
   bf16      torch._grouped_mm bf16 GEMM + torch SwiGLU (fp32) + torch per-row INT8 quantization
@@ -122,7 +123,7 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from ort_ops._cuda_kernels import GmsqRunner, cuda_unavailable_reason
+    from ort_ops._cuda_kernels import GmsqRunner, cuda_unavailable_reason, pack_weight
 
     reason = cuda_unavailable_reason()
     if reason:
@@ -140,6 +141,7 @@ def main(argv=None):
         w = rng.integers(-127, 128, (e, k_dim, n_dim), dtype=np.int8)
         ws = (rng.uniform(0.2, 1.0, (e, n_dim)) / 127).astype(np.float32)
         w_d = torch.from_numpy(w).to(dev)
+        w_packed = pack_weight(w_d)  # weight_layout 1: one contiguous run per CTA
         ws_d = torch.from_numpy(ws).to(dev)
         # bf16 / fp8 peers: the same weights dequantized; fp8 wants B column-major ([E, N, K]^T).
         w_bf16 = (w_d.float() * ws_d[:, None, :]).to(torch.bfloat16)
@@ -171,6 +173,8 @@ def main(argv=None):
                           f"scales bit-equal {scales_eq}", flush=True)
                 results[f"ours[{cfg}]"] = time_graph(torch, runner.launch, args.iters, flush)
 
+            packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
+            results["ours[auto] packed B"] = time_graph(torch, packed.launch, args.iters, flush)
             floor = GmsqRunner(x_d, w_d, ws_d, xs_d, torch.zeros_like(gl_d))
             results["ours floor (no rows)"] = time_graph(torch, floor.launch, args.iters, flush)
 

@@ -46,15 +46,13 @@ def _gmsq_fns():
     lib = _cdll(get_library_path())
     fn = lib.ort_ops_gmsq_cuda
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int,
-                                                                   ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     ws = lib.ort_ops_gmsq_cuda_workspace_bytes
     ws.restype = ctypes.c_size_t
     ws.argtypes = [ctypes.c_int64, ctypes.c_int64]
     gmd = lib.ort_ops_gmd_cuda
     gmd.restype = ctypes.c_int
-    gmd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int,
-                                                                   ctypes.c_void_p]
+    gmd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     return fn, ws, gmd
 
 
@@ -65,18 +63,25 @@ class GmsqRunner:
         x, weight, weight_scale, x_scale, group_list: torch CUDA tensors (contiguous, dtypes of
             the module docstring).
         group_list_type: 0 cumulative ends, 1 counts.
-        config: "auto", "bm16", "bm64" or "bm128".
+        config: a key of GMSQ_CONFIGS.
+        dequant: run GroupedMatmulDequant (y float32 [M, N]) instead.
+        packed: ``weight`` is ``pack_weight(w)`` (layout 1 of cuda.cuh) rather than [E, K, N];
+            the shapes (K, N) come from ``n`` then.
     """
 
     def __init__(self, x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-                 config: str = "auto", dequant: bool = False):
+                 config: str = "auto", dequant: bool = False, n: int | None = None):
         import torch
 
         self.fn, ws_bytes, self.gmd_fn = _gmsq_fns()
         self.dequant = dequant
         self.inputs = [t.contiguous() for t in (x, weight, weight_scale, x_scale, group_list)]
         m, k = x.shape
-        e, _, n = weight.shape
+        self.packed = n is not None
+        if self.packed:
+            e = weight.shape[0]
+        else:
+            e, _, n = weight.shape
         dev = x.device
         self.shape = (m, k, n, e)
         self.group_list_type = group_list_type
@@ -102,12 +107,13 @@ class GmsqRunner:
         if self.dequant:
             rc = self.gmd_fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(),
                              gl.data_ptr(), self.y.data_ptr(), self.workspace.data_ptr(), m, k, n,
-                             e, self.group_list_type, self.config, ctypes.c_void_p(s.cuda_stream))
+                             e, self.group_list_type, self.config, int(self.packed),
+                             ctypes.c_void_p(s.cuda_stream))
         else:
             rc = self.fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(), gl.data_ptr(),
                          self.y.data_ptr(), self.y_scale.data_ptr(), self.y_offset.data_ptr(),
                          self.workspace.data_ptr(), m, k, n, e, self.group_list_type, self.config,
-                         ctypes.c_void_p(s.cuda_stream))
+                         int(self.packed), ctypes.c_void_p(s.cuda_stream))
         if rc != 0:
             op = "GroupedMatmulDequant" if self.dequant else "GroupedMatmulSwigluQuant"
             raise RuntimeError(f"{op} (CUDA): launch failed with cudaError_t {rc}"
@@ -137,3 +143,21 @@ def gmd(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
     r.launch()
     err = r.error_word()
     return r.y, err
+
+
+PACKED_COLS = 128  # kGmsqPackedCols: output columns per tile of the packed layout
+
+
+def pack_weight(weight):
+    """[E, K, N] int8 -> the kernel's packed layout [E, C, K, 256], C = ceil(N/2 / 128): row k of
+    tile c holds W[k, 128c:128c+128] then W[k, N/2+128c : N/2+128c+128], zero-padded past N/2,
+    so each CTA streams one contiguous run of its expert's weights (cuda.cuh, weight_layout 1)."""
+    import torch
+
+    e, k, n = weight.shape
+    h = n // 2
+    c = -(-h // PACKED_COLS)
+    pad = c * PACKED_COLS - h
+    a = torch.nn.functional.pad(weight[:, :, :h], (0, pad)).view(e, k, c, PACKED_COLS)
+    g = torch.nn.functional.pad(weight[:, :, h:], (0, pad)).view(e, k, c, PACKED_COLS)
+    return torch.cat([a, g], dim=3).permute(0, 2, 1, 3).contiguous()

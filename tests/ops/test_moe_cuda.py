@@ -157,6 +157,23 @@ def test_shared_memory_reads_are_bank_conflict_free(warps_n):
                 assert len(quads) == 8
 
 
+def test_pack_weight_layout(rng):
+    """pack_weight (CPU torch is enough) lays tile c's row k out as [A cols | G cols], zero-padded."""
+    torch = pytest.importorskip("torch")
+    from ort_ops._cuda_kernels import PACKED_COLS, pack_weight
+
+    e, k, n = 2, 32, 2 * 200  # N/2 = 200: two tiles, the second padded from 72 to 128 columns
+    w = rng.integers(-128, 128, (e, k, n), dtype=np.int8)
+    p = pack_weight(torch.from_numpy(w)).numpy()
+    assert p.shape == (e, 2, k, 2 * PACKED_COLS)
+    h = n // 2
+    for c in range(2):
+        cols = np.arange(c * PACKED_COLS, min(h, (c + 1) * PACKED_COLS))
+        np.testing.assert_array_equal(p[:, c, :, :len(cols)], w[:, :, cols])
+        np.testing.assert_array_equal(p[:, c, :, PACKED_COLS:PACKED_COLS + len(cols)], w[:, :, h + cols])
+        assert not p[:, c, :, len(cols):PACKED_COLS].any() and not p[:, c, :, PACKED_COLS + len(cols):].any()
+
+
 # ---- GPU tests ----
 
 def _cuda_reason():
@@ -274,6 +291,29 @@ def test_gmsq_cuda_counts_and_model_shape(torch_cuda, rng, config):
     *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, group_list_type=1, config=config)
     assert err == 0
     _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl, group_list_type=1))
+
+
+@cuda
+@pytest.mark.parametrize("dequant", [False, True])
+@pytest.mark.parametrize("config", ["bm16w", "bm64", "bm128"])
+def test_cuda_packed_weight_layout(torch_cuda, rng, config, dequant):
+    """The packed B layout (one contiguous weight run per CTA) gives the same bits."""
+    from ort_ops._cuda_kernels import GmsqRunner, pack_weight
+
+    m, k, n, counts, tail = CASES["tail_rows"]  # N/2 = 80: a padded, partial 128-column tile
+    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=tail)
+    dev = torch_cuda.device("cuda")
+    t = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
+    t[1] = pack_weight(t[1])
+    r = GmsqRunner(*t, config=config, dequant=dequant, n=n)
+    r.poison()
+    r.launch()
+    assert r.error_word() == 0
+    if dequant:
+        np.testing.assert_array_equal(r.y.cpu().numpy(), reference.grouped_matmul_dequant(x, w, ws, xs, gl))
+    else:
+        _assert_exact((r.y.cpu().numpy(), r.y_scale.cpu().numpy(), r.y_offset.cpu().numpy()),
+                      reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
 
 
 @cuda

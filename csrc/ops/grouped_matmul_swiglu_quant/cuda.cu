@@ -310,7 +310,11 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
     const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
     const int rows = min(BM, ends_s[e + 1] - row0);
     const int8_t* xg = p.x + static_cast<int64_t>(row0) * K;
-    const int8_t* wg = p.weight + static_cast<int64_t>(e) * K * N;
+    // [E, K, N]: row kk of the tile is two 128-byte runs N/2 apart. Packed (weight_layout 1,
+    // [E, C, K, 2 * kBNh]): the CTA's whole B stream is one contiguous run.
+    const int8_t* wg = p.weight_layout == 0
+                           ? p.weight + static_cast<int64_t>(e) * K * N
+                           : p.weight + (static_cast<int64_t>(e) * col_tiles + ct) * K * kBRow;
 
     auto load_stage = [&](int stage, int kt) {
       uint8_t* as = smem + stage * C::kStage;
@@ -336,7 +340,9 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
         const bool ok = kk < K && hcol < half;
         const int col = (cc >= kChunks / 2 ? half : 0) + hcol;
         cp_async16(smem_addr(bs + kr * kBRow + ((cc ^ (((kr >> 2) & 3) << 1)) << 4)),
-                   ok ? static_cast<const void*>(wg + static_cast<int64_t>(kk) * N + col)
+                   ok ? static_cast<const void*>(
+                            p.weight_layout == 0 ? wg + static_cast<int64_t>(kk) * N + col
+                                                 : wg + static_cast<int64_t>(kk) * kBRow + cc * 16)
                       : static_cast<const void*>(p.weight),
                    ok);
       }
@@ -611,6 +617,7 @@ template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
 cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t stream) {
   using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
   constexpr int kBNh = C::kBNh;
+  if (p.weight_layout != 0 && kBNh != kGmsqPackedCols) return cudaErrorInvalidValue;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -667,7 +674,8 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   if (p.m < 0 || p.m >= (int64_t{1} << 31) || p.k < 0 || p.k > kMaxK || p.k % 16 != 0 ||
       p.n < 0 || p.n % 32 != 0 || p.e < 0 || p.e > kGmsqMaxExperts ||
       (p.group_list_type != 0 && p.group_list_type != 1) || p.config < kGmsqAuto ||
-      p.config >= kGmsqNumConfigs || p.n * (p.m / 2 + 1) >= (int64_t{1} << 40))
+      p.config >= kGmsqNumConfigs || p.n * (p.m / 2 + 1) >= (int64_t{1} << 40) ||
+      (p.weight_layout != 0 && p.weight_layout != 1))
     return cudaErrorInvalidValue;
   Scratch s;
   s.err = static_cast<int*>(p.workspace);
@@ -720,10 +728,10 @@ ORT_OPS_CUDA_EXPORT int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight,
                                           const int64_t* group_list, int8_t* y, float* y_scale,
                                           float* y_offset, void* workspace, int64_t m, int64_t k,
                                           int64_t n, int64_t e, int group_list_type, int config,
-                                          void* stream) {
+                                          int weight_layout, void* stream) {
   using namespace ort_ops::gmsq_cuda;
   GmsqParams p{x, weight, w_scale, x_scale, group_list, y, y_scale, y_offset, workspace,
-               m, k, n, e, group_list_type, config};
+               m, k, n, e, group_list_type, config, nullptr, weight_layout};
   return static_cast<int>(launch_gmsq(p, static_cast<cudaStream_t>(stream)));
 }
 
@@ -731,10 +739,11 @@ ORT_OPS_CUDA_EXPORT int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight,
                                          const float* w_scale, const float* x_scale,
                                          const int64_t* group_list, float* y, void* workspace,
                                          int64_t m, int64_t k, int64_t n, int64_t e,
-                                         int group_list_type, int config, void* stream) {
+                                         int group_list_type, int config, int weight_layout,
+                                         void* stream) {
   using namespace ort_ops::gmsq_cuda;
   GmsqParams p{x, weight, w_scale, x_scale, group_list, nullptr, nullptr, nullptr, workspace,
-               m, k, n, e, group_list_type, config, y};
+               m, k, n, e, group_list_type, config, y, weight_layout};
   return static_cast<int>(launch_gmd(p, static_cast<cudaStream_t>(stream)));
 }
 

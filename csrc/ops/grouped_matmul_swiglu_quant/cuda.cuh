@@ -56,7 +56,12 @@ struct GmsqParams {
   int group_list_type;
   int config;  // GmsqConfig
   float* y_float = nullptr;  // GroupedMatmulDequant's y [M, N] (launch_gmd only)
+  // 0: weight [E, K, N] (the contract). 1: packed per 128-column tile, [E, C, K, 256] with
+  // C = ceil(N/2 / 128) and row k of tile c = W[k, 128c .. +128) | W[k, N/2 + 128c .. +128),
+  // zero-padded past N/2 (ort_ops._cuda_kernels.pack_weight). Configs bm16w, bm64, bm128 only.
+  int weight_layout = 0;
 };
+constexpr int kGmsqPackedCols = 128;
 
 // Device scratch the launcher needs: the error word, the row amax and the per-tile counters.
 size_t gmsq_workspace_bytes(int64_t m, int64_t e);
@@ -77,15 +82,15 @@ cudaError_t launch_half_to_float(const uint16_t* src, float* dst, int64_t n, cud
 }  // namespace ort_ops::gmsq_cuda
 
 // Plain C entry for tests and benchmarks (ctypes, torch tensors): the arguments of GmsqParams in
-// order, then the stream. Returns a cudaError_t value.
+// order (weight_layout last), then the stream. Returns a cudaError_t value.
 extern "C" int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
                                  const float* x_scale, const int64_t* group_list, int8_t* y,
                                  float* y_scale, float* y_offset, void* workspace, int64_t m,
                                  int64_t k, int64_t n, int64_t e, int group_list_type, int config,
-                                 void* stream);
+                                 int weight_layout, void* stream);
 extern "C" size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e);
 // GroupedMatmulDequant: x, weight, w_scale, x_scale, group_list, y float32 [M, N], workspace.
 extern "C" int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
                                 const float* x_scale, const int64_t* group_list, float* y,
                                 void* workspace, int64_t m, int64_t k, int64_t n, int64_t e,
-                                int group_list_type, int config, void* stream);
+                                int group_list_type, int config, int weight_layout, void* stream);
