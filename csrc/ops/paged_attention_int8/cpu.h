@@ -75,7 +75,6 @@ struct Scratch {
   float* sv;               // [kTile]
   uint8_t* codes;          // [R, kGroup]
   float* gscale;           // [R]
-  int32_t* isum;           // [R, D]
   int8_t* vgather;         // [D, kGroup]
 };
 

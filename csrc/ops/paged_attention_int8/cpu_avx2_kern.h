@@ -94,6 +94,11 @@ inline void load_v_octet(const int8_t* v, int64_t stride, int64_t d0, __m256i* c
   transpose8x8_epi32(c);
 }
 
+// o[0..8) += a * float(acc): a group's int32 sums scaled by its max W / L into the float output.
+inline void add_scaled(float* o, float a, __m256i acc) {
+  _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(acc))));
+}
+
 // Four W codes (tokens 4k..4k+3) of one row, broadcast to every lane.
 inline __m256i bcast_codes(const uint8_t* codes, int k) {
   int32_t x;
@@ -266,19 +271,22 @@ struct Avx2Kern {
                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
 
+  // o[r][d] += gscale[r] * (int32 sum over the group of codes[r] * v[d]); rows with gscale 0
+  // are skipped.
   static void pv_int(const uint8_t* codes, int64_t rows, const int8_t* v, int64_t stride, int64_t d, bool u8,
-                     int32_t* isum, int64_t ldi) {
+                     const float* gscale, float* o, int64_t ldo) {
     if (!u8) {  // codes 0..127: maddubs is exact
       const __m256i ones = _mm256_set1_epi16(1);
       for (int64_t d0 = 0; d0 < d; d0 += 8) {
         __m256i c[8];
         load_v_octet(v, stride, d0, c);
         for (int64_t r = 0; r < rows; ++r) {
+          if (!(gscale[r] > 0.0f)) continue;
           const uint8_t* cr = codes + r * kGroup;
           __m256i acc = _mm256_setzero_si256();
           for (int k = 0; k < 8; ++k)
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(bcast_codes(cr, k), c[k]), ones));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), acc);
+          add_scaled(o + r * ldo + d0, gscale[r], acc);
         }
       }
       return;
@@ -302,6 +310,7 @@ struct Avx2Kern {
         __m256i c[8];
         load_v_octet(v, stride, d0, c);
         for (int64_t r = 0; r < rn; ++r) {
+          if (!(gscale[r0 + r] > 0.0f)) continue;
           const uint8_t* hi = split + 2 * r * kGroup;
           const uint8_t* lo = hi + kGroup;
           __m256i acc = _mm256_setzero_si256();
@@ -309,7 +318,7 @@ struct Avx2Kern {
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(bcast_codes(hi, k), c[k]), twos));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(bcast_codes(lo, k), c[k]), ones));
           }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + (r0 + r) * ldi + d0), acc);
+          add_scaled(o + (r0 + r) * ldo + d0, gscale[r0 + r], acc);
         }
       }
     }
@@ -336,16 +345,6 @@ struct Avx2Kern {
         _mm256_storeu_ps(od, _mm256_add_ps(_mm256_loadu_ps(od), reduce8_ps(acc)));
       }
     }
-  }
-
-  static void axpy_i32(float a, const int32_t* x, float* y, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m256 xv = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
-      _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_mul_ps(av, xv)));
-    }
-    for (; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
   }
 };
 

@@ -72,7 +72,6 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
   float *score = sc.score, *w = sc.w, *sk = sc.sk, *sv = sc.sv, *gscale = sc.gscale;
   const int8_t** kptr = sc.kptr;
   uint8_t* codes = sc.codes;
-  int32_t* isum = sc.isum;
   int8_t* vgather = sc.vgather;
 
   const int32_t* table = p.block_tables + task.seq * p.max_blocks;
@@ -187,9 +186,7 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
         }
       }
       if (!any) continue;
-      Kern::pv_int(codes, R, vsrc, stride, D, p.pv == PvMode::kU8, isum, D);
-      for (int64_t r = 0; r < R; ++r)
-        if (gscale[r] > 0.0f) Kern::axpy_i32(gscale[r], isum + r * D, out + r * D, D);
+      Kern::pv_int(codes, R, vsrc, stride, D, p.pv == PvMode::kU8, gscale, out, D);
     }
     t0 = t1;
   }

@@ -55,16 +55,19 @@ struct ScalarKern {
     for (int64_t i = 0; i < kGroup; ++i)
       codes[i] = static_cast<uint8_t>(std::min(std::nearbyint(w[i] * inv), levels));
   }
-  // isum[r * ldi + dd] = sum_i codes[r][i] * v[dd * stride + i] over the 32 tokens of a group.
+  // o[r * ldo + dd] += gscale[r] * isum, isum = sum_i codes[r][i] * v[dd * stride + i] (int32)
+  // over the 32 tokens of a group; rows with gscale 0 (no visible key in the group) are skipped.
   static void pv_int(const uint8_t* codes, int64_t rows, const int8_t* v, int64_t stride, int64_t d,
-                     bool /*u8*/, int32_t* isum, int64_t ldi) {
-    for (int64_t r = 0; r < rows; ++r)
+                     bool /*u8*/, const float* gscale, float* o, int64_t ldo) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!(gscale[r] > 0.0f)) continue;
       for (int64_t dd = 0; dd < d; ++dd) {
         int32_t acc = 0;
         for (int64_t i = 0; i < kGroup; ++i)
           acc += int32_t{codes[r * kGroup + i]} * int32_t{v[dd * stride + i]};
-        isum[r * ldi + dd] = acc;
+        o[r * ldo + dd] += gscale[r] * static_cast<float>(acc);
       }
+    }
   }
   // o[r * ldo + dd] += sum_i w[r * ldw + i] * v[dd * stride + i].
   static void pv_f32(const float* w, int64_t ldw, int64_t rows, const int8_t* v, int64_t stride, int64_t d,
@@ -75,9 +78,6 @@ struct ScalarKern {
         for (int64_t i = 0; i < kGroup; ++i) acc += w[r * ldw + i] * static_cast<float>(v[dd * stride + i]);
         o[r * ldo + dd] += acc;
       }
-  }
-  static void axpy_i32(float a, const int32_t* x, float* y, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
   }
 };
 

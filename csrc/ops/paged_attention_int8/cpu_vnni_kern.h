@@ -53,15 +53,16 @@ struct VnniKern : Avx2Kern {
   }
 
   static void pv_int(const uint8_t* codes, int64_t rows, const int8_t* v, int64_t stride, int64_t d, bool /*u8*/,
-                     int32_t* isum, int64_t ldi) {
+                     const float* gscale, float* o, int64_t ldo) {
     for (int64_t d0 = 0; d0 < d; d0 += 8) {
       __m256i c[8];
       load_v_octet(v, stride, d0, c);
       for (int64_t r = 0; r < rows; ++r) {
+        if (!(gscale[r] > 0.0f)) continue;
         const uint8_t* cr = codes + r * kGroup;
         __m256i acc = _mm256_setzero_si256();
         for (int k = 0; k < 8; ++k) acc = ORT_OPS_DPBUSD(acc, bcast_codes(cr, k), c[k]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + r * ldi + d0), acc);
+        add_scaled(o + r * ldo + d0, gscale[r], acc);
       }
     }
   }

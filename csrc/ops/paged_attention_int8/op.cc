@@ -63,7 +63,7 @@ pa::Scratch task_scratch(int64_t rows, int64_t d) {
       R * int64_t{sizeof(void*)}, R * int64_t{sizeof(void*)}, R * 4, R * 4, R * 4, R * 8,  // q_codes .. last_pos
       R * d * 4, R * T * 4, R * T * 4, R * T * 4,   // out, iscore, score, w
       T * int64_t{sizeof(void*)}, T * 4, T * 4,      // kptr, sk, sv
-      R * G, R * 4, R * d * 4, d * G};               // codes, gscale, isum, vgather
+      R * G, R * 4, d * G};                          // codes, gscale, vgather
   int64_t offsets[sizeof(sizes) / sizeof(sizes[0])];
   int64_t total = 0;
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
@@ -81,8 +81,7 @@ pa::Scratch task_scratch(int64_t rows, int64_t d) {
                      static_cast<float*>(at(8)),         static_cast<float*>(at(9)),
                      static_cast<const int8_t**>(at(10)), static_cast<float*>(at(11)),
                      static_cast<float*>(at(12)),        static_cast<uint8_t*>(at(13)),
-                     static_cast<float*>(at(14)),        static_cast<int32_t*>(at(15)),
-                     static_cast<int8_t*>(at(16))};
+                     static_cast<float*>(at(14)),        static_cast<int8_t*>(at(15))};
 }
 
 class PagedAttentionInt8Cpu final : public KernelImpl {
