@@ -14,7 +14,7 @@ lm_head at the end. Inputs ``input_ids``, ``attention_mask`` [B, P+S], ``positio
 Forms: "eager" (MatMul, Mul(scale), Add(mask), Softmax, MatMul) and "sdpa" (q and K^T each times
 sqrt(scale), Add(mask), Softmax, Where(IsNaN), MatMul).
 Masks: "causal" (causal + key padding from attention_mask, what the ops express), and the ones
-they cannot: "window" (sliding window of 4 keys), "none" (no mask: bidirectional), "bias" (an
+they cannot: "window" (sliding window of ``window`` keys, default 4), "none" (no mask: bidirectional), "bias" (an
 ALiBi-like additive bias). ``softmax_axis=2`` normalizes over queries (not attention).
 
 ``emulate_kv_int8(model)`` inserts the contract's per-token, per-head INT8 quantize/dequantize of
@@ -64,7 +64,7 @@ def _ints(b: _B, v) -> str:
     return b.const(np.array(v, np.int64), "shape")
 
 
-def _mask(b: _B, kind: str, ids: str, am: str) -> str | None:
+def _mask(b: _B, kind: str, ids: str, am: str, window: int = 4) -> str | None:
     """[B, 1, S, P+S] additive float mask (0 = visible) from attention_mask and positions."""
     if kind == "none":
         return None
@@ -81,7 +81,7 @@ def _mask(b: _B, kind: str, ids: str, am: str) -> str | None:
         return b.op("Unsqueeze", [m, _ints(b, [0, 1])])
     allowed = b.op("LessOrEqual", [j, i])
     if kind == "window":
-        allowed = b.op("And", [allowed, b.op("Greater", [j, b.op("Sub", [i, _ints(b, 4)])])])
+        allowed = b.op("And", [allowed, b.op("Greater", [j, b.op("Sub", [i, _ints(b, window)])])])
     pad = b.op("Greater", [b.op("Unsqueeze", [am, _ints(b, [1, 2])]), _ints(b, 0)])  # [B, 1, 1, T]
     allowed = b.op("And", [b.op("Unsqueeze", [allowed, _ints(b, [0, 1])]), pad])
     return b.op("Where", [allowed, b.const(np.float32(0)), b.const(NEG)])
@@ -100,7 +100,7 @@ def _repeat_kv(b: _B, x: str, hkv: int, rep: int, d: int) -> str:
 
 def build_decoder(form: str = "eager", *, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: int = 64,
                   past_kv: bool = True, mask: str = "causal", softmax_axis: int = -1,
-                  seed: int = 0) -> onnx.ModelProto:
+                  window: int = 4, seed: int = 0) -> onnx.ModelProto:
     """A float decoder as documented in the module docstring."""
     if form not in ("eager", "sdpa"):
         raise ValueError(f"build_decoder: form must be 'eager' or 'sdpa', got '{form}'")
@@ -108,7 +108,7 @@ def build_decoder(form: str = "eager", *, layers: int = 2, hq: int = 2, hkv: int
     d, rep = head_dim, hq // hkv
     h = b.op("Add", [b.op("Gather", [b.weight(VOCAB, HIDDEN, std=1.0), "input_ids"], axis=0),
                      b.op("Gather", [b.weight(1024, HIDDEN, std=0.5), "position_ids"], axis=0)])
-    m = _mask(b, mask, "input_ids", "attention_mask")
+    m = _mask(b, mask, "input_ids", "attention_mask", window)
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])]

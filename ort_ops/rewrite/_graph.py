@@ -213,3 +213,97 @@ def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int)
         if ok:
             return label
     return None
+
+
+# Windows shorter than this many keys are caught by the long probe of a KV-cache model's mask
+# (one query behind LONG_PROBE_KEYS - 1 past tokens); prefill-only graphs are probed with
+# LONG_PROBE_PREFILL query tokens (their mask is [S, S]).
+LONG_PROBE_KEYS = 8192
+LONG_PROBE_PREFILL = 1024
+
+
+def _subgraph_proto(proto, output: str):
+    """A ModelProto computing only ``output`` from the graph inputs it needs."""
+    import onnx
+
+    producer = {o: n for n in proto.graph.node for o in n.output}
+    inits = {t.name: t for t in proto.graph.initializer}
+    inputs = {i.name: i for i in proto.graph.input}
+    need_nodes, need_inits, need_inputs, seen = set(), set(), set(), set()
+    stack = [output]
+    while stack:
+        name = stack.pop()
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        if name in inits:
+            need_inits.add(name)
+        elif name in inputs:
+            need_inputs.add(name)
+        elif name in producer:
+            node = producer[name]
+            if id(node) not in need_nodes:
+                need_nodes.add(id(node))
+                stack.extend(node.input)
+                for attr in node.attribute:  # subgraphs read outer names too
+                    if attr.type == onnx.AttributeProto.GRAPH:
+                        stack.extend(i for n in attr.g.node for i in n.input)
+    graph = onnx.helper.make_graph(
+        [n for n in proto.graph.node if id(n) in need_nodes], "mask_probe",
+        [inputs[n] for n in inputs if n in need_inputs], [onnx.ValueInfoProto(name=output)],
+        [inits[n] for n in inits if n in need_inits])
+    sub = onnx.helper.make_model(graph, opset_imports=list(proto.opset_import), ir_version=proto.ir_version)
+    return sub
+
+
+def mask_sees_every_key(proto, mask_name: str, past_names: set, paged: bool) -> tuple[bool | None, str]:
+    """Runs the part of the model that computes the mask on one long sequence with no padding and
+    checks that the last query sees every key (a causal mask does; a sliding window does not).
+
+    Returns (True | False | None, detail); None when the mask plumbing cannot be run this way."""
+    import onnxruntime as ort
+
+    try:
+        sub = _subgraph_proto(proto, mask_name)
+        keys = LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL
+        seq = 1 if paged else keys
+        feeds = {}
+        for inp in sub.graph.input:
+            name = inp.name
+            tt = inp.type.tensor_type
+            dtype = onnx_dtype_to_np(tt.elem_type)
+            if name.endswith("input_ids"):
+                feeds[name] = np.full((1, seq), 3, dtype)
+            elif "attention_mask" in name:
+                feeds[name] = np.ones((1, keys), dtype)
+            elif "position_ids" in name:
+                feeds[name] = np.arange(keys - seq, keys, dtype=dtype)[None, :]
+            elif name in past_names:
+                dims = [_static(d.dim_value if d.HasField("dim_value") else d.dim_param) for d in tt.shape.dim]
+                if len(dims) != 4 or dims[1] is None or dims[3] is None:
+                    return None, f"past input '{name}' has no static head dims"
+                feeds[name] = np.zeros((1, dims[1], keys - seq, dims[3]), dtype)
+            else:
+                return None, f"the mask depends on input '{name}'"
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        m = sess.run(None, feeds)[0]
+    except Exception as e:  # noqa: BLE001 - reported by the caller as "cannot check"
+        return None, f"running the mask on {LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL} keys failed " \
+                     f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
+    last = np.asarray(m)[..., -1, :]
+    if last.dtype == np.bool_:
+        hidden = ~last
+    else:
+        hidden = last < -1e4 if np.issubdtype(last.dtype, np.floating) else last != 0
+    if np.any(hidden):
+        first_seen = int(np.argmax(~np.any(hidden.reshape(-1, hidden.shape[-1]), axis=0)))
+        return False, f"the last of {last.shape[-1]} keys' query sees only keys >= {first_seen} (a sliding window)"
+    return True, ""
+
+
+def onnx_dtype_to_np(elem_type: int):
+    from onnx import helper
+
+    return helper.tensor_dtype_to_np_dtype(elem_type)

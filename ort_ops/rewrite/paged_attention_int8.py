@@ -82,6 +82,8 @@ class _Ctx:
     probe_mask: np.ndarray | None
     probe_past: int
     probe_error: str | None
+    proto: Any = None  # the model as it came in (the long mask probe runs parts of it)
+    window_checked: dict = dataclasses.field(default_factory=dict)  # mask name -> reason or ""
     shared: dict = dataclasses.field(default_factory=dict)
     cache_out: dict = dataclasses.field(default_factory=dict)  # layer -> 4 output values
     outputs_made: set = dataclasses.field(default_factory=set)  # ids of attention outputs we emit
@@ -280,6 +282,13 @@ def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> s
                                 "bidirectional mask the paged op cannot express")
     if causal_attr:
         raise MatchFailureError("is_causal together with a mask is not supported")
+    if mask.name not in ctx.window_checked:
+        ok, detail = g.mask_sees_every_key(ctx.proto, mask.name, {v.name for v in ctx.past_layer}, ctx.paged)
+        ctx.window_checked[mask.name] = "" if ok else (
+            f"the mask hides keys a causal mask shows: {detail}" if ok is False
+            else f"cannot rule out a sliding window: {detail}")
+    if ctx.window_checked[mask.name]:
+        raise MatchFailureError(ctx.window_checked[mask.name])
     return kind
 
 
@@ -806,7 +815,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
         except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
             probes2 = {}
     ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
-               probe_error)
+               probe_error, proto=ir.serde.serialize_model(work))
     for v in work.graph.inputs:
         if "attention_mask" in (v.name or ""):
             ctx.shared["attention_mask"] = v

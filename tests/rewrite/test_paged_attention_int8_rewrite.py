@@ -215,15 +215,20 @@ def test_hand_built_group_query_attention(packed_qkv, rng):
     data = ir.serde.serialize_model(m).SerializeToString()
     assert not FLOAT_ATTENTION & set(_census(data))
     assert "position_ids" in [i.name for i in onnx.load_from_string(data).graph.input]
+    # Teacher-forced on the original's tokens (one prompt per batch: ORT's CPU GQA takes no
+    # batched prompt with a past): logits within the INT8 budget at every step, and the same
+    # greedy choice wherever the original's choice is clear (top-2 gap above twice the budget;
+    # closer calls are coin tosses of rounding for any INT8 model).
     agree = total = 0
     for p in make_prompts(64, lengths=(4, 9, 14), seed=int(rng.integers(1000))):
         a = generate(orig, [p], max_new_tokens=8, return_logits=True)[0]
-        b = generate(data, [p], max_new_tokens=8, return_logits=True)[0]
-        agree += sum(x == y for x, y in zip(a.tokens, b.tokens))
-        total += len(a.tokens)
-        k = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), len(a.tokens) - 1)
-        assert np.abs(a.logits[: k + 1] - b.logits[: k + 1]).max() <= ATTN_REWRITE_LOGITS_ATOL
-    assert agree / total >= ATTN_REWRITE_GREEDY_AGREEMENT
+        t = generate(data, [p], forced_tokens=[a.tokens], return_logits=True)[0]
+        assert np.abs(a.logits - t.logits).max() <= ATTN_REWRITE_LOGITS_ATOL
+        top2 = np.sort(a.logits, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * ATTN_REWRITE_LOGITS_ATOL
+        agree += int(np.sum((np.array(a.tokens) == np.array(t.tokens)) & clear))
+        total += int(np.sum(clear))
+    assert total and agree / total >= ATTN_REWRITE_GREEDY_AGREEMENT
 
 
 @pytest.mark.parametrize("kwargs,reason", [(dict(local_window_size=8), "sliding window"),
@@ -238,6 +243,8 @@ def test_group_query_attention_declines(kwargs, reason):
 
 DECLINES = [
     (dict(mask="window"), "not causal"),
+    # a window longer than the short probe (12 keys): seen by the long probe of the mask plumbing
+    (dict(mask="window", window=300), "sliding window"),
     (dict(mask="bias"), "not causal"),
     (dict(mask="none"), "no attention mask"),
     (dict(softmax_axis=2), "Softmax over axis 2"),
@@ -245,13 +252,11 @@ DECLINES = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,reason", DECLINES, ids=[r[1].split()[0] + "-" + str(list(k.values())[0])
-                                                         for r, k in zip(DECLINES, [d[0] for d in DECLINES])])
+@pytest.mark.parametrize("kwargs,reason", DECLINES,
+                         ids=["-".join(f"{k}{v}" for k, v in d[0].items()) for d in DECLINES])
 @pytest.mark.parametrize("past_kv", [True, False])
 def test_inexpressible_attention_left_unfused(kwargs, reason, past_kv):
     orig = build_decoder("eager", past_kv=past_kv, **kwargs)
-    if kwargs.get("mask") == "window" and not past_kv:
-        pass  # the probe (6 keys) shows a 4-key window in prefill graphs too
     m = ir.serde.deserialize_model(orig)
     result = fuse_paged_attention_int8(m, RewriteOptions())
     assert result.fused == 0
