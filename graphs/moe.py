@@ -19,6 +19,8 @@ Variants, for the rewrite's positive and negative cases:
   const_weights  False makes expert 0's gate weight a graph input (must decline)
   experts_computed  unroll only the first n experts, like a trace specialized to its example
               input (must decline)
+  shared      "none", "plain" (a shared SwiGLU expert added to the routed output, DeepSeek) or
+              "gated" (times Sigmoid(x @ shared_gate [H, 1]), Qwen2-MoE)
 
 ``build_contrib_moe(w, k, normalize, ...)`` returns ``(x [T, H], router_logits [T, E]) -> y`` as
 one ``com.microsoft`` ``MoE`` or ``QMoE`` node (weights [E, out, in], ORT >= 1.22 layout).
@@ -34,7 +36,8 @@ from ort_ops.ops._schema import IR_VERSION, ONNX_OPSET
 
 
 def build_moe(w, k: int, *, routing: str = "softmax_topk_renorm", activation: str = "silu",
-              const_weights: bool = True, experts_computed: int | None = None) -> onnx.ModelProto:
+              const_weights: bool = True, experts_computed: int | None = None,
+              shared: str = "none", shared_gate=None) -> onnx.ModelProto:
     e, h, i2 = w.w_gate_up.shape
     inter = i2 // 2
     inits, nodes = [], []
@@ -104,6 +107,23 @@ def build_moe(w, k: int, *, routing: str = "softmax_topk_renorm", activation: st
         node("Expand", [f"{p}.tok2", f"{p}.shape"], [f"{p}.idx"])
         node("ScatterElements", ["acc_init", f"{p}.idx", f"{p}.yw"], [f"{p}.scatter"], axis=0, reduction="add")
         acc = node("Add", [acc, f"{p}.scatter"], [f"{p}.acc"])
+    if shared != "none":
+        # shared expert (w.shared_gate_up [1, H, 2I'], w.shared_down [1, I', H]) as a dense MLP,
+        # "plain": added to the routed output (DeepSeek), "gated": times Sigmoid(x @ shared_gate
+        # [H, 1]) first (Qwen2-MoE)
+        si = w.shared_gate_up.shape[2] // 2
+        node("MatMul", ["x", const("shared.gate_proj.weight", w.shared_gate_up[0][:, :si].copy())], ["shared.gate"])
+        node("Sigmoid", ["shared.gate"], ["shared.sig"])
+        node("Mul", ["shared.gate", "shared.sig"], ["shared.act"])
+        node("MatMul", ["x", const("shared.up_proj.weight", w.shared_gate_up[0][:, si:].copy())], ["shared.up"])
+        node("Mul", ["shared.act", "shared.up"], ["shared.h"])
+        mlp = node("MatMul", ["shared.h", const("shared.down_proj.weight", w.shared_down[0].copy())], ["shared.y"])
+        if shared == "gated":
+            node("Gemm", ["x", const("shared_expert_gate.weight", np.asarray(shared_gate, np.float32).T.copy())],
+                 ["shared.g"], transB=1)
+            node("Sigmoid", ["shared.g"], ["shared.gs"])
+            mlp = node("Mul", ["shared.gs", mlp], ["shared.gated"])
+        acc = node("Add", [acc, mlp], ["with_shared"])
     node("Identity", [acc], ["y"])
     graph = helper.make_graph(nodes, "moe_unrolled", inputs,
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", h])], inits)

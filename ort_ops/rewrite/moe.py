@@ -791,7 +791,7 @@ def _replace_value(old: ir.Value, new: ir.Value) -> None:
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
 
 
-def _replace_block(model: ir.Model, block: _Block) -> int:
+def _replace_block(model: ir.Model, block: _Block) -> tuple[int, ir.Value]:
     graph = model.graph
     cand = block.cand
     prefix = f"moe_int8/{cand.topk.name or 'block'}"
@@ -805,7 +805,105 @@ def _replace_block(model: ir.Model, block: _Block) -> int:
         out = rs.outputs[0]
     graph.insert_after(block.out.producer(), nodes)
     _replace_value(block.out, out)
-    return nbytes
+    return nbytes, out
+
+
+def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
+    """(input, W [in, out]) when ``v`` is MatMul(x, W) or Gemm(x, W[, transB]) with a constant W
+    and no bias; None otherwise."""
+    n = v.producer()
+    if n is None or n.domain not in ("", "ai.onnx"):
+        return None
+    if n.op_type == "MatMul":
+        w = _const(n.inputs[1])
+    elif n.op_type == "Gemm" and not _attr_int(n, "transA", 0) and (len(n.inputs) < 3 or n.inputs[2] is None):
+        w = _const(n.inputs[1])
+        if w is not None and _attr_int(n, "transB", 0):
+            w = w.T
+        if n.attributes.get("alpha") is not None and n.attributes["alpha"].as_float() != 1.0:
+            return None
+    else:
+        return None
+    if w is None or w.ndim != 2:
+        return None
+    return n.inputs[0], w.astype(np.float32)
+
+
+def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str) -> dict | None:
+    """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
+    mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
+    that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
+    E = 1 and group_list = [T]. Only the MLP is replaced; its gate stays float.
+
+    The match is structural and needs no probe: ``down(silu(x @ Wg) * (x @ Wu))`` with constant
+    weights, one input x of rank 2, is exactly what the chain computes before quantization.
+    Measured on the Qwen2-MoE fixture: logits rel. L2 vs torch 0.0053 -> 0.0085, shared weights
+    98304 -> 25600 bytes."""
+    for add in _consumers(routed_out):
+        if add.op_type != "Add" or len(add.inputs) != 2:
+            continue
+        s = add.inputs[1] if add.inputs[0] is routed_out else add.inputs[0]
+        mlp_out = s
+        p = s.producer()
+        if p is not None and p.op_type == "Mul":
+            a, b = p.inputs
+            pa, pb = a.producer(), b.producer()
+            if pa is not None and pa.op_type == "Sigmoid":
+                mlp_out = b
+            elif pb is not None and pb.op_type == "Sigmoid":
+                mlp_out = a
+        down = _dense_projection(mlp_out)
+        if down is None:
+            continue
+        prod, wd = down
+        m = prod.producer()
+        if m is None or m.op_type != "Mul":
+            continue
+        for silu_v, up_v in (tuple(m.inputs), tuple(m.inputs)[::-1]):
+            sn = silu_v.producer()
+            if sn is None or sn.op_type != "Mul":
+                continue
+            g = next((i for i in sn.inputs if (i.producer() is not None and i.producer().op_type == "Sigmoid"
+                      and i.producer().inputs[0] in sn.inputs)), None)
+            if g is None:
+                continue
+            gate_v = g.producer().inputs[0]
+            gp, up = _dense_projection(gate_v), _dense_projection(up_v)
+            if gp is None or up is None or gp[0] is not up[0]:
+                continue
+            x, wg = gp
+            wu = up[1]
+            if (x.shape is None or len(x.shape) != 2 or x.dtype != ir.DataType.FLOAT or wu.shape != wg.shape
+                    or wd.shape != (wg.shape[1], wg.shape[0])):
+                continue
+            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out)
+    return None
+
+
+def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out) -> dict:
+    from ort_ops.ops.moe_layer import quantize_expert_weights
+
+    gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
+    dn_q, dn_s = quantize_expert_weights(wd[None])
+    inits = [_initializer(graph, f"{prefix}/{n}", a) for n, a in
+             [("gate_up_int8", gu_q), ("gate_up_scale", gu_s), ("down_int8", dn_q), ("down_scale", dn_s)]]
+    nodes = []
+
+    def add(op, inputs, num_outputs=1, domain=DOMAIN, **attrs):
+        n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs, name=f"{prefix}/{op}")
+        for j, o in enumerate(n.outputs):
+            o.name = f"{prefix}/{op}_{j}"
+        nodes.append(n)
+        return n.outputs
+
+    groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
+    xq, xs = add("DynamicQuant", [x], 2)
+    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3)
+    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups])[0]
+    graph.insert_after(mlp_out.producer(), nodes)
+    _replace_value(mlp_out, y)
+    return {"intermediate": wg.shape[1], "weight_bytes_before": wg.nbytes + wu.nbytes + wd.nbytes,
+            "weight_bytes_after": gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1005,14 +1103,21 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 blocks.append(_analyze(model, c, probes))
             except _Declined as e:
                 result.declined.append(Decline(c.topk.name, str(e)))
+        shared_int8 = getattr(options, "moe_shared_expert", "int8") == "int8"
         for b in blocks:
-            nbytes = _replace_block(model, b)
+            nbytes, out = _replace_block(model, b)
             result.fused += 1
-            blocks_info.append({
+            info = {
                 "where": b.cand.topk.name, "form": b.form, "experts": b.cand.num_experts,
                 "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
                 "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
-                "weight_bytes_after": nbytes})
+                "weight_bytes_after": nbytes}
+            shared = _fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared") if shared_int8 else None
+            if shared:
+                info["shared_expert"] = shared
+                info["weight_bytes_before"] += shared["weight_bytes_before"]
+                info["weight_bytes_after"] += shared["weight_bytes_after"]
+            blocks_info.append(info)
         if blocks:
             model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
             RemoveUnusedNodesPass()(model)

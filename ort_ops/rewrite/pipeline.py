@@ -22,6 +22,7 @@ class RewriteOptions:
     qk_quant: str = "s8"  # s8 | none
     attention: bool = True
     moe: bool = True
+    moe_shared_expert: str = "int8"  # int8 (one always-on expert through the MoE GEMMs) | float
 
 
 @dataclasses.dataclass

@@ -88,13 +88,18 @@ def test_fixture_is_fused(name):
     census = collections.Counter(n.op_type for n in model.graph.node)
     print(name, result.details["blocks"], result.declined)
     assert result.fused == 1, result.declined
-    assert all(census[op] == 1 for op in CHAIN), census
     block = result.details["blocks"][0]
+    shared = name.startswith("qwen2")  # its shared expert runs as one always-on INT8 expert
+    assert ("shared_expert" in block) == shared
+    per_chain = {"DynamicQuant": 1 + shared, "GroupedMatmulSwigluQuant": 1 + shared,
+                 "GroupedMatmulDequant": 1 + shared, "MoeInitRouting": 1, "MoeFinalizeRouting": 1}
+    assert all(census[op] == n for op, n in per_chain.items()), census
     assert block["experts"] == experts and block["top_k"] == 2 and block["intermediate"] == inter
     assert block["form"].startswith(form)
     # No float expert weight (and so no float expert MatMul) is left.
     assert not _float_weight_census(model, inter)
-    assert census["Sigmoid"] == (2 if name.startswith("qwen2") else 0)  # Qwen2's shared expert + its gate
+    assert census["Sigmoid"] == (1 if shared else 0)  # Qwen2's shared-expert gate stays float
+    assert not any("shared_expert." in t.name for t in model.graph.initializer)
     assert block["weight_bytes_after"] < block["weight_bytes_before"] / 3.5
 
 
@@ -317,3 +322,34 @@ def test_rewrite_is_idempotent_and_probes_large_models_from_a_file(monkeypatch):
     ref = np.load(FIXTURES / "mixtral_dynamo_batched.npz")
     got = _logits(ir.to_proto(model).SerializeToString(), ref["input_ids"])
     assert ml.relative_l2(got, ref["logits"][0]) <= MOE_REWRITE_LOGITS_REL_L2
+
+
+@pytest.mark.parametrize("shared", ["plain", "gated"])
+def test_shared_expert_becomes_an_always_on_int8_expert(rng, shared):
+    w = ml.random_moe_weights(rng, H, I, E, shared_inter=48)
+    gate_w = (rng.standard_normal((H, 1)) / np.sqrt(H)).astype(np.float32)
+    proto = build_moe(w, K, shared=shared, shared_gate=gate_w)
+    fused, result = _fuse_proto(proto)
+    assert result.fused == 1, result.declined
+    assert result.details["blocks"][0]["shared_expert"]["intermediate"] == 48
+    census = collections.Counter(n.op_type for n in fused.graph.node)
+    assert census["MatMul"] == 0 and census["GroupedMatmulSwigluQuant"] == 2, census
+    x = rng.standard_normal((31, H)).astype(np.float32)
+    got = _session(fused).run(None, {"x": x})[0]
+    q = ml.quantize_moe_weights(w)
+    routing = ml.route(x, w.router, K, True)
+    if shared == "plain":
+        want = ml.moe_layer_int8_reference(x, q, *routing)
+    else:
+        routed = ml.moe_layer_int8_reference(x, ml.QuantizedMoeWeights(q.gate_up, q.gate_up_scale, q.down,
+                                                                        q.down_scale), *routing)
+        g = 1 / (1 + np.exp(-(x @ gate_w)))
+        want = routed + g * ml.shared_expert_int8(x, q)
+    assert np.max(np.abs(got - want)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(want))
+    # --moe-shared-expert float keeps the dense float MLP
+    from ort_ops.rewrite.pipeline import RewriteOptions
+
+    model = ir.from_proto(proto)
+    res = fuse_moe(model, RewriteOptions(moe_shared_expert="float"))
+    assert res.fused == 1 and "shared_expert" not in res.details["blocks"][0]
+    assert collections.Counter(n.op_type for n in ir.to_proto(model).graph.node)["MatMul"] == 3
