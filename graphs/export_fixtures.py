@@ -164,7 +164,7 @@ def _export_transformers(name: str, out: Path, *, ort_fusions: str | None):
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)
-    inputs = dict(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "past_key_values": cache}
     exported = OnnxExporter().export(model, inputs, config=OnnxConfig(dynamic=True, ort_fusions=ort_fusions))
     proto = ir.to_proto(exported.program)
     import onnx
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         try:
             path = export(name, out_dir)
             print(f"{name}: {path} ({path.stat().st_size / 1e6:.2f} MB, {time.time() - t:.0f} s)")
-        except Exception as e:  # report every form, then fail
+        except Exception as e:  # noqa: BLE001 - report every form, then fail
             failed.append(name)
             print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                   file=sys.stderr)

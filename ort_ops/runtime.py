@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -136,7 +136,7 @@ class PagedKVCache:
             ))
 
     @classmethod
-    def for_model(cls, model, num_blocks: int = 256) -> "PagedKVCache":
+    def for_model(cls, model, num_blocks: int = 256) -> PagedKVCache:
         meta = paged_metadata(model)
         if meta is None:
             raise ValueError("ort_ops.runtime: the model is not paged (no 'ort_ops.paged' metadata); "

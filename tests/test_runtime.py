@@ -21,7 +21,7 @@ from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL
 BLOCK = 8
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _paged_model() -> bytes:
     m, results = rewrite_model(ir.serde.deserialize_model(build_decoder("sdpa", hq=4, hkv=2, seed=5)),
                                block_size=BLOCK, moe=False)
@@ -50,7 +50,7 @@ def test_paged_model_interface():
     assert meta["num_layers"] == 2 and meta["num_kv_heads"] == 2 and meta["head_dim"] == 64
     assert meta["block_size"] == BLOCK
     cache = PagedKVCache.for_model(_paged_model(), num_blocks=4)
-    k, v, ks, vs = cache.buffers[0]
+    k, v, ks, _ = cache.buffers[0]
     assert k.shape == (4, 2, BLOCK, 64) and v.shape == (4, 2, 64, BLOCK) and ks.shape == (4, 2, BLOCK)
     assert k.dtype == np.int8 and ks.dtype == np.float32
 

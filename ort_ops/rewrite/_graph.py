@@ -8,7 +8,7 @@ padding and reading the mask tensors it actually computes, whatever plumbing bui
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -290,8 +290,9 @@ def mask_sees_every_key(proto, mask_name: str, past_names: set, paged: bool) -> 
         sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
         m = sess.run(None, feeds)[0]
     except Exception as e:  # noqa: BLE001 - reported by the caller as "cannot check"
-        return None, f"running the mask on {LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL} keys failed " \
-                     f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        keys = LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL
+        return None, f"running the mask on {keys} keys failed ({first})"
     last = np.asarray(m)[..., -1, :]
     if last.dtype == np.bool_:
         hidden = ~last

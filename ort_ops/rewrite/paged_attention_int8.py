@@ -363,8 +363,8 @@ def _prefill_plumbing(op, ctx: _Ctx, q_BHSD: ir.Value, use_padding: bool) -> dic
     tables = op.Cast(op.Add(op.Unsqueeze(op.Mul(rows, nblk), _ints(op, [1])),
                             op.Unsqueeze(blocks, _ints(op, [0]))), to=ir.DataType.INT32)
     num_blocks = op.Mul(b, nblk)
-    out = dict(idx=idx, idx2=op.Unsqueeze(idx, _ints(op, [1])), seq_lens=seq_lens, cu=cu,
-               slots=slots, tables=tables, num_blocks=num_blocks)
+    out = {"idx": idx, "idx2": op.Unsqueeze(idx, _ints(op, [1])), "seq_lens": seq_lens, "cu": cu,
+               "slots": slots, "tables": tables, "num_blocks": num_blocks}
     ctx.shared[key] = out
     return out
 
@@ -372,9 +372,9 @@ def _prefill_plumbing(op, ctx: _Ctx, q_BHSD: ir.Value, use_padding: bool) -> dic
 def _emit(op, ctx: _Ctx, a: _Attn):
     """QuantizeKVCache + PagedAttentionInt8 for one decoded block; returns the [B, Hq, S, D] output."""
     opts = ctx.options
-    to_THD = lambda x, h: op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), _ints(op, [-1, h, a.d]))  # noqa: E731
+    to_THD = lambda x, h: op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), _ints(op, [-1, h, a.d]))
     q_THD, k_THD, v_THD = to_THD(a.q_BHSD, a.hq), to_THD(a.k_new_BHSD, a.hkv), to_THD(a.v_new_BHSD, a.hkv)
-    attrs = dict(qk_quant=opts.qk_quant, pv_quant=opts.pv_quant)
+    attrs = {"qk_quant": opts.qk_quant, "pv_quant": opts.pv_quant}
     if not math.isclose(a.scale, 1.0 / math.sqrt(a.d), rel_tol=1e-6):
         attrs["scale"] = float(a.scale)
     if ctx.paged:
@@ -390,12 +390,12 @@ def _emit(op, ctx: _Ctx, a: _Attn):
         p = _prefill_plumbing(op, ctx, a.q_BHSD, a.mask_kind == "causal+padding")
         bs = opts.block_size
         nb = p["num_blocks"]
-        zeros = lambda shape, dt: op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, dt)))  # noqa: E731
+        zeros = lambda shape, dt: op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, dt)))
         kc = zeros(op.Concat(nb, _ints(op, [a.hkv, bs, a.d]), axis=0), np.int8)
         vc = zeros(op.Concat(nb, _ints(op, [a.hkv, a.d, bs]), axis=0), np.int8)
         ks = zeros(op.Concat(nb, _ints(op, [a.hkv, bs]), axis=0), np.float32)
         vs = zeros(op.Concat(nb, _ints(op, [a.hkv, bs]), axis=0), np.float32)
-        gather = lambda x: op.Gather(x, p["idx"], axis=0)  # noqa: E731
+        gather = lambda x: op.Gather(x, p["idx"], axis=0)
         outs = op.QuantizeKVCache(gather(k_THD), gather(v_THD), p["slots"], kc, vc, ks, vs,
                                   _domain=DOMAIN, _outputs=4)
         o_packed = op.PagedAttentionInt8(gather(q_THD), *outs, p["tables"], p["seq_lens"], p["cu"],
@@ -463,7 +463,7 @@ def _fuse_onnx_attention(ctx: _Ctx) -> int:
             continue
         where = node.name or "Attention"
         try:
-            a, outs = _decode_onnx_attention(ctx, node)
+            a, _ = _decode_onnx_attention(ctx, node)
         except MatchFailureError as e:
             ctx.declines[where] = str(getattr(e, "reason", e))
             continue
@@ -556,7 +556,7 @@ def _fuse_gqa(ctx: _Ctx) -> int:
             cos = op.Unsqueeze(op.Gather(cos_cache, pos, axis=0), _ints(op, [1]))  # [T, 1, D/2]
             sin = op.Unsqueeze(op.Gather(sin_cache, pos, axis=0), _ints(op, [1]))
 
-            def rope(x):  # rotate_half form: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+            def rope(x, op=op, cos=cos, sin=sin, d=d):  # rotate_half form: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
                 x1, x2 = op.Split(x, _ints(op, [d // 2, d // 2]), axis=-1, _outputs=2)
                 return op.Concat(op.Sub(op.Mul(x1, cos), op.Mul(x2, sin)),
                                  op.Add(op.Mul(x2, cos), op.Mul(x1, sin)), axis=-1)
@@ -567,7 +567,7 @@ def _fuse_gqa(ctx: _Ctx) -> int:
         outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
         ctx.cache_out[layer] = outs
         ctx.layer_dims[layer] = (hkv, d)
-        attrs = dict(qk_quant=ctx.options.qk_quant, pv_quant=ctx.options.pv_quant)
+        attrs = {"qk_quant": ctx.options.qk_quant, "pv_quant": ctx.options.pv_quant}
         if not math.isclose(scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
             attrs["scale"] = float(scale)
         o = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
@@ -606,7 +606,7 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         if ins[i] is not None and what != "position_ids":
             raise MatchFailureError(f"GroupQueryAttention with {what} is not supported")
     a = node.attributes
-    get = lambda name, default: a[name].value if name in a else default  # noqa: E731
+    get = lambda name, default: a[name].value if name in a else default
     if int(get("local_window_size", -1)) != -1:
         raise MatchFailureError(f"sliding window (local_window_size={get('local_window_size', -1)}) "
                                 "cannot be expressed by the paged op")
@@ -866,7 +866,7 @@ def _shape_inference(model: ir.Model) -> None:
     log.setLevel(logging.CRITICAL)  # a failed inference is logged with a traceback; shapes are a help
     try:
         ir.passes.common.ShapeInferencePass()(model)
-    except Exception:  # noqa: BLE001 - missing shapes come from the probe run instead
+    except Exception:  # noqa: BLE001, S110 - missing shapes come from the probe run instead
         pass
     finally:
         log.setLevel(level)
@@ -909,9 +909,7 @@ def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
         node = out.producer()
         is_present = False
         if node is not None and node.op_type == "Concat" and any(
-                _skip_copies(i) in ctx.past_layer for i in node.inputs):
-            is_present = True
-        elif node is not None and node.op_type in ("Attention", "GroupQueryAttention") and \
+                _skip_copies(i) in ctx.past_layer for i in node.inputs) or node is not None and node.op_type in ("Attention", "GroupQueryAttention") and \
                 out in list(node.outputs[1:3]):
             is_present = True
         if is_present:

@@ -31,8 +31,11 @@ from ort_ops.rewrite.paged_attention_int8 import fuse_paged_attention_int8
 from ort_ops.rewrite.pipeline import RewriteOptions
 from ort_ops.runtime import DenseRunner, generate, paged_metadata
 from ort_ops.verify import make_prompts, verify
-from tests.tolerances import (ATTN_REWRITE_EMULATED_LOGITS_ATOL, ATTN_REWRITE_GREEDY_AGREEMENT,
-                              ATTN_REWRITE_LOGITS_ATOL)
+from tests.tolerances import (
+    ATTN_REWRITE_EMULATED_LOGITS_ATOL,
+    ATTN_REWRITE_GREEDY_AGREEMENT,
+    ATTN_REWRITE_LOGITS_ATOL,
+)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "attention"
 # fixture -> (interface after the rewrite, form the fusion reports)
@@ -57,7 +60,7 @@ def _path(name: str) -> str:
     return str(p)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rewritten(name: str, pv_quant: str = "s8", qk_quant: str = "s8") -> tuple[bytes, object]:
     """(rewritten model bytes, attention FusionResult), once per fixture and options."""
     model, results = rewrite_model(_path(name), pv_quant=pv_quant, qk_quant=qk_quant, moe=False)
@@ -231,8 +234,8 @@ def test_hand_built_group_query_attention(packed_qkv, rng):
     assert total and agree / total >= ATTN_REWRITE_GREEDY_AGREEMENT
 
 
-@pytest.mark.parametrize("kwargs,reason", [(dict(local_window_size=8), "sliding window"),
-                                           (dict(rotary_interleaved=1), "interleaved rotary")])
+@pytest.mark.parametrize("kwargs,reason", [({"local_window_size": 8}, "sliding window"),
+                                           ({"rotary_interleaved": 1}, "interleaved rotary")])
 def test_group_query_attention_declines(kwargs, reason):
     orig = build_gqa_decoder(**kwargs)
     m = ir.serde.deserialize_model(orig)
@@ -242,13 +245,13 @@ def test_group_query_attention_declines(kwargs, reason):
 
 
 DECLINES = [
-    (dict(mask="window"), "not causal"),
+    ({"mask": "window"}, "not causal"),
     # a window longer than the short probe (12 keys): seen by the long probe of the mask plumbing
-    (dict(mask="window", window=300), "sliding window"),
-    (dict(mask="bias"), "not causal"),
-    (dict(mask="none"), "no attention mask"),
-    (dict(softmax_axis=2), "Softmax over axis 2"),
-    (dict(head_dim=32), "head_dim must be one of"),
+    ({"mask": "window", "window": 300}, "sliding window"),
+    ({"mask": "bias"}, "not causal"),
+    ({"mask": "none"}, "no attention mask"),
+    ({"softmax_axis": 2}, "Softmax over axis 2"),
+    ({"head_dim": 32}, "head_dim must be one of"),
 ]
 
 
@@ -270,7 +273,7 @@ def test_inexpressible_attention_left_unfused(kwargs, reason, past_kv):
 
 def test_rewrite_report_via_pipeline():
     """Both fusions run through the pipeline; the attention result lists nothing declined."""
-    model, results = rewrite_model(_path("tx_sdpa_kv"))
+    _, results = rewrite_model(_path("tx_sdpa_kv"))
     kinds = {r.kind: r for r in results}
     assert kinds["attention"].fused == LAYERS
     assert kinds["moe"].fused == 0
