@@ -56,6 +56,8 @@ def reference(x, expert_ids, num_experts: int):
     if num_experts < 1:
         raise ValueError(f"{OP}: attribute 'num_experts' must be >= 1, got {num_experts}")
     m, k = ids.shape
+    if m * k > 2**31 - 1:
+        raise ValueError(f"{OP}: M * K must be <= {2**31 - 1} (sorted_to_flat is int32), got {m * k}")
     flat = ids.reshape(-1)
     bad = (flat < 0) | (flat >= num_experts)
     if bad.any():

@@ -86,3 +86,11 @@ def test_odd_n_is_fine(rng):
     """Only the SwiGLU op needs an even N."""
     inputs = make_inputs(rng, 5, 12, 7, 2)
     assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))
+
+
+@pytest.mark.parametrize("k", [3, 257, 1037])
+def test_few_row_experts(rng, cpu_isa, k):
+    """Experts of 1-4 rows take the K-split path; see the SwiGLU op's test of the same name."""
+    inputs = make_inputs(rng, 12, k, 150, 5, group_list=[1, 3, 3, 6, 10])
+    inputs["x"][0, :] = -128
+    assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))

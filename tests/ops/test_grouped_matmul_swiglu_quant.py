@@ -200,3 +200,13 @@ def test_rounding_ties_round_half_to_even(cpu_isa):
     np.testing.assert_array_equal(y[0], [127, 64, 62, 20, 22, -64, -100, 18])
     assert ys[0] == np.float32(1.0)
     assert_exact((y, ys, _), reference.grouped_matmul_swiglu_quant(**inputs))
+
+
+@pytest.mark.parametrize("k", [3, 257, 1037])
+def test_few_row_experts(rng, cpu_isa, k):
+    """Experts of 1-4 rows take the K-split path (blocks of 256 k, unrolled k steps): K not a
+    multiple of 4 or 16, several blocks, -128 codes, N/2 not a multiple of the packing group."""
+    inputs = make_inputs(rng, 12, k, 300, 5, group_list=[1, 3, 3, 6, 10])
+    inputs["x"][0, :] = -128
+    inputs["weight"][0, -1, :] = -128
+    assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))

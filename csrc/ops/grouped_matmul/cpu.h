@@ -44,6 +44,33 @@ struct TileArgs {
   int64_t ldo;            // floats between output rows
 };
 
+// Few-row experts (rows <= kGemvRows): partial int32 sums of the rows over weight rows [k0, k1)
+// (a multiple of 4 apart), all columns, in the ISA's packed column order; n_pad = n rounded up
+// to the ISA's packing group (kGemvMaxGroup at most).
+constexpr int64_t kGemvRows = 4;  // measured: the tiles win from about 6 rows an expert
+constexpr int64_t kGemvMaxGroup = 64;
+constexpr int64_t kGemvBlockK = 256;  // k rows per partial-sum task
+struct GemvArgs {
+  const uint8_t* xprep;  // prepared rows of the expert
+  int64_t xprep_stride;
+  int64_t rows, k, n, k0, k1;
+  const int8_t* w;       // W_e [k, n]
+  int32_t* acc;          // [rows][n_pad]
+  int32_t* colsum;       // [n_pad] (VNNI's x + 128 correction; untouched otherwise)
+};
+struct GemvFinishArgs {
+  Mode mode;
+  const int32_t* partials;  // nparts blocks, part_stride ints apart, each [rows][n_pad]
+  const int32_t* colsums;   // nparts blocks of [n_pad], part_stride ints apart
+  int64_t nparts, part_stride, rows, n;
+  const float* x_scale;     // [rows]
+  const float* w_scale;     // [n]
+  float* out;               // dequant: y rows [n]; SwiGLU: S rows [n / 2]
+  int64_t ldo;
+};
+using GemvPartialFn = void (*)(const GemvArgs& g);
+using GemvFinishFn = bool (*)(const GemvFinishArgs& f, int64_t* bad_row);
+
 // Returns false if a dequantized C value of a SwiGLU tile was NaN or Inf (row in *bad_row).
 using TileFn = bool (*)(const TileArgs& a, int64_t* bad_row);
 // Prepares x rows for the ISA (int16 pairs for AVX2, x ^ 0x80 quads for VNNI), zero-padded.
@@ -53,12 +80,22 @@ struct Kernels {
   TileFn tile;
   PrepFn prep;               // nullptr: the tile reads x directly
   int64_t (*prep_stride)(int64_t k);
+  GemvPartialFn gemv_partial = nullptr;  // nullptr: every expert goes through tiles
+  GemvFinishFn gemv_finish = nullptr;
+  int64_t gemv_group = 0;
 };
 
 bool tile_scalar(const TileArgs& a, int64_t* bad_row);
 bool tile_avx2(const TileArgs& a, int64_t* bad_row);
 bool tile_avxvnni(const TileArgs& a, int64_t* bad_row);
 bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row);
+#define ORT_OPS_GEMV_DECL(isa)                \
+  void gemv_partial_##isa(const GemvArgs& g); \
+  bool gemv_finish_##isa(const GemvFinishArgs& f, int64_t* bad_row);
+ORT_OPS_GEMV_DECL(avx2)
+ORT_OPS_GEMV_DECL(avxvnni)
+ORT_OPS_GEMV_DECL(avx512vnni)
+#undef ORT_OPS_GEMV_DECL
 void prep_int16_pairs(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride);
 void prep_u8_quads(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride);
 int64_t prep_stride_int16(int64_t k);

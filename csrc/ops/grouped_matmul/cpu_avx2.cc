@@ -15,6 +15,7 @@ struct Avx2Traits {
   static constexpr int VW = 8;     // columns per vector
   static constexpr int NV = 4;     // vectors per micro-kernel row (32 columns)
   static constexpr int MR = 3;     // rows per micro-kernel: 12 accumulators of 16 ymm registers
+  static constexpr int GEMV_KU = 2;  // packed k steps held in registers by the few-row path
   static constexpr bool kUnsignedX = false;
   static Vec zero() { return _mm256_setzero_si256(); }
   static Vec load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -29,15 +30,17 @@ struct Avx2Traits {
   static constexpr int64_t perm(int64_t p) {
     return (p / 16) * 16 + ((p % 8) / 4) * 8 + ((p / 8) % 2) * 4 + p % 4;
   }
-  static void pack_group(const int8_t* const rows[2], uint8_t* dst, Vec*) {
+  static void pack_regs(const int8_t* const rows[2], Vec v[4]) {
     for (int h = 0; h < 2; ++h) {
       const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * h)));
       const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + 16 * h)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * h), _mm256_unpacklo_epi16(a, b));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * h + 32), _mm256_unpackhi_epi16(a, b));
+      v[2 * h] = _mm256_unpacklo_epi16(a, b);
+      v[2 * h + 1] = _mm256_unpackhi_epi16(a, b);
     }
   }
-  static void store_corr(Vec, int32_t*) {}  // signed x: no column sums needed
+  static void store(void* p, Vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+  static Vec colsum_add(Vec c, Vec) { return c; }  // signed x: no column sums needed
+  static Vec times128(Vec v) { return _mm256_slli_epi32(v, 7); }
   static void store_c(Vec acc, const int32_t*, float xs, const float* ws, float* out) {
     __m256 f = _mm256_cvtepi32_ps(acc);
     f = _mm256_mul_ps(f, _mm256_set1_ps(xs));
@@ -49,5 +52,10 @@ struct Avx2Traits {
 }  // namespace
 
 bool tile_avx2(const TileArgs& a, int64_t* bad_row) { return tile_simd<Avx2Traits>(a, bad_row); }
+
+void gemv_partial_avx2(const GemvArgs& g) { gemv_partial_simd<Avx2Traits>(g); }
+bool gemv_finish_avx2(const GemvFinishArgs& f, int64_t* bad_row) {
+  return gemv_finish_simd<Avx2Traits>(f, bad_row);
+}
 
 }  // namespace ort_ops::grouped_matmul

@@ -80,9 +80,12 @@ void prep_u8_quads(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64
 
 Kernels kernels_for(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::kAvx512Vnni: return {tile_avx512vnni, prep_u8_quads, prep_stride_quads};
-    case CpuIsa::kAvxVnni: return {tile_avxvnni, prep_u8_quads, prep_stride_quads};
-    case CpuIsa::kAvx2: return {tile_avx2, prep_int16_pairs, prep_stride_int16};
+    case CpuIsa::kAvx512Vnni:
+      return {tile_avx512vnni, prep_u8_quads, prep_stride_quads, gemv_partial_avx512vnni, gemv_finish_avx512vnni, 64};
+    case CpuIsa::kAvxVnni:
+      return {tile_avxvnni, prep_u8_quads, prep_stride_quads, gemv_partial_avxvnni, gemv_finish_avxvnni, 32};
+    case CpuIsa::kAvx2:
+      return {tile_avx2, prep_int16_pairs, prep_stride_int16, gemv_partial_avx2, gemv_finish_avx2, 32};
     default: return {tile_scalar, nullptr, nullptr};
   }
 }

@@ -116,16 +116,72 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   struct Task {
     int64_t e, r0, r1, tile;
   };
+  // Few-row experts (memory-bound) go through K-split partial sums over whole weight rows;
+  // the others through column tiles that reuse each packed tile for all their rows.
+  struct Gemv {
+    int64_t e, r0, r1;
+    size_t offset;  // into partials: nblocks * (rows * n_pad + n_pad) ints
+  };
   std::vector<Task> tasks;
+  std::vector<Gemv> gemvs;
+  const bool use_gemv = kern.gemv_partial != nullptr;
+  const int64_t n_pad = use_gemv ? (p.n + kern.gemv_group - 1) / kern.gemv_group * kern.gemv_group : 0;
+  const int64_t kblocks = (p.k + kGemvBlockK - 1) / kGemvBlockK;
+  size_t partial_ints = 0;
   int64_t start = 0;
   for (int64_t e = 0; e < p.e; ++e) {
     const int64_t end = p.ends[static_cast<size_t>(e)];
-    for (int64_t r0 = start; r0 < end; r0 += kRowChunk)  // empty experts add no task
-      for (int64_t t = 0; t < col_tiles; ++t) tasks.push_back({e, r0, std::min(end, r0 + kRowChunk), t});
+    if (use_gemv && end > start && end - start <= kGemvRows) {
+      gemvs.push_back({e, start, end, partial_ints});
+      partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));
+    } else {
+      for (int64_t r0 = start; r0 < end; r0 += kRowChunk)  // empty experts add no task
+        for (int64_t t = 0; t < col_tiles; ++t) tasks.push_back({e, r0, std::min(end, r0 + kRowChunk), t});
+    }
     start = end;
   }
 
   std::atomic<int64_t> bad_row{-1};
+  if (!gemvs.empty()) {
+    std::unique_ptr<int32_t[]> partials(new int32_t[partial_ints]);
+    parallel_for(ctx, gemvs.size() * static_cast<size_t>(kblocks), [&](size_t i) {
+      const Gemv& g = gemvs[i / static_cast<size_t>(kblocks)];
+      const int64_t b = static_cast<int64_t>(i % static_cast<size_t>(kblocks));
+      const int64_t rows = g.r1 - g.r0;
+      GemvArgs a;
+      a.xprep = xprep.get() + g.r0 * stride;
+      a.xprep_stride = stride;
+      a.rows = rows;
+      a.k = p.k;
+      a.n = p.n;
+      a.k0 = b * kGemvBlockK;
+      a.k1 = std::min(p.k, a.k0 + kGemvBlockK);
+      a.w = p.w + g.e * p.k * p.n;
+      a.acc = partials.get() + g.offset + static_cast<size_t>(b * (rows * n_pad + n_pad));
+      a.colsum = a.acc + rows * n_pad;
+      kern.gemv_partial(a);
+    });
+    parallel_for(ctx, gemvs.size(), [&](size_t i) {
+      const Gemv& g = gemvs[i];
+      GemvFinishArgs f;
+      f.mode = mode;
+      f.partials = partials.get() + g.offset;
+      f.colsums = f.partials + (g.r1 - g.r0) * n_pad;
+      f.nparts = kblocks;
+      f.part_stride = (g.r1 - g.r0) * n_pad + n_pad;
+      f.rows = g.r1 - g.r0;
+      f.n = p.n;
+      f.x_scale = p.x_scale + g.r0;
+      f.w_scale = p.w_scale + g.e * p.n;
+      f.out = out + g.r0 * ldo;
+      f.ldo = ldo;
+      int64_t row = -1;
+      if (!kern.gemv_finish(f, &row)) {
+        int64_t expected = -1;
+        bad_row.compare_exchange_strong(expected, g.r0 + row);
+      }
+    });
+  }
   parallel_for(ctx, tasks.size(), [&](size_t i) {
     const Task& t = tasks[i];
     TileArgs a;

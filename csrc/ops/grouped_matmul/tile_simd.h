@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -72,12 +73,17 @@ void pack_tile(const TileArgs& a, int64_t steps, uint8_t* pk, int32_t* corr, int
             rows[i] = tmp[i];
           }
         }
-        T::pack_group(rows, dst + pc * 4, colsum + pc / T::VW);
+        typename T::Vec v[4];
+        T::pack_regs(rows, v);
+        for (int j = 0; j < 4; ++j) {
+          T::store(dst + pc * 4 + j * T::VW * 4, v[j]);
+          if constexpr (T::kUnsignedX) colsum[pc / T::VW + j] = T::colsum_add(colsum[pc / T::VW + j], v[j]);
+        }
       }
     }
   }
   if constexpr (T::kUnsignedX)
-    for (int64_t i = 0; i < kTileCols / T::VW; ++i) T::store_corr(colsum[i], corr + i * T::VW);
+    for (int64_t i = 0; i < kTileCols / T::VW; ++i) T::store(corr + i * T::VW, T::times128(colsum[i]));
 }
 
 // acc[i][j] = dot products of MR prepared x rows with CW = NV * VW packed columns at wp.
@@ -225,6 +231,123 @@ bool tile_simd(const TileArgs& a, int64_t* bad_row) {
         *bad_row = r0 + i;
         return false;
       }
+    }
+  }
+  return true;
+}
+
+// ---- few-row experts: K-split partial sums over whole weight rows ----
+// An expert with few rows is memory-bound: what matters is reading W_e once, in order. Each
+// task takes a block of k rows and sweeps them left to right over all N columns (KPER sequential
+// streams the hardware prefetchers follow), keeping the int32 sums of its rows in a buffer;
+// gemv_finish adds the blocks' sums (integer adds: any order is exact) and runs the epilogue.
+template <class T>
+void gemv_partial_simd(const GemvArgs& g) {
+  constexpr int64_t G = T::PACK_G;
+  constexpr int KU = T::GEMV_KU;  // k steps packed per read-modify-write of the sums
+  const int64_t n_pad = (g.n + G - 1) / G * G;
+  std::fill(g.acc, g.acc + g.rows * n_pad, 0);
+  if (T::kUnsignedX) std::fill(g.colsum, g.colsum + n_pad, 0);
+  alignas(64) int8_t tmp[KU][T::KPER][G];
+  // Column chunks small enough that the rows' sums (rows * chunk * 4 bytes <= 16 KB) stay in L1
+  // while the chunk's weight rows stream through: one row alone sweeps whole weight rows.
+  const int64_t chunk = std::max<int64_t>(G, (4096 / std::max<int64_t>(g.rows, 1)) / G * G);
+  for (int64_t c0 = 0; c0 < n_pad; c0 += chunk) {
+    for (int64_t k = g.k0; k < g.k1; k += KU * T::KPER) {
+      const int64_t step = k / T::KPER;
+      // Steps past k1 are left out entirely: their x bytes may lie past the prepared row.
+      const int nu = static_cast<int>(std::min<int64_t>(KU, (g.k1 - k + T::KPER - 1) / T::KPER));
+      for (int64_t c = c0; c < std::min(n_pad, c0 + chunk); c += G) {
+        typename T::Vec v[KU][4];
+        for (int u = 0; u < nu; ++u) {
+          const int8_t* rows[T::KPER];
+          for (int i = 0; i < T::KPER; ++i) {
+            const int64_t kk = k + u * T::KPER + i;
+            if (kk < g.k1) {
+              rows[i] = safe_cols<G>(g.w + kk * g.n + c, g.n - c, tmp[u][i]);
+            } else {
+              std::memset(tmp[u][i], 0, G);
+              rows[i] = tmp[u][i];
+            }
+          }
+          T::pack_regs(rows, v[u]);
+        }
+        if constexpr (T::kUnsignedX) {
+          int32_t* cs = g.colsum + c;
+          for (int j = 0; j < 4; ++j) {
+            typename T::Vec a = T::load(reinterpret_cast<const uint8_t*>(cs + j * T::VW));
+            for (int u = 0; u < nu; ++u) a = T::colsum_add(a, v[u][j]);
+            T::store(cs + j * T::VW, a);
+          }
+        }
+        for (int64_t r = 0; r < g.rows; ++r) {
+          const uint8_t* xr = g.xprep + r * g.xprep_stride + step * 4;
+          int32_t* acc = g.acc + r * n_pad + c;
+          typename T::Vec a[4];
+          for (int j = 0; j < 4; ++j) a[j] = T::load(reinterpret_cast<const uint8_t*>(acc + j * T::VW));
+          for (int u = 0; u < nu; ++u) {
+            const typename T::Vec xb = T::bcast(xr + u * 4);
+            for (int j = 0; j < 4; ++j) a[j] = T::dot(a[j], xb, v[u][j]);
+          }
+          for (int j = 0; j < 4; ++j) T::store(acc + j * T::VW, a[j]);
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+bool gemv_finish_simd(const GemvFinishArgs& f, int64_t* bad_row) {
+  constexpr int64_t G = T::PACK_G;
+  const int64_t n_pad = (f.n + G - 1) / G * G;
+  thread_local std::vector<int32_t> sum_buf, corr_buf;
+  thread_local std::vector<float> c_buf;
+  sum_buf.resize(static_cast<size_t>(n_pad));
+  corr_buf.assign(static_cast<size_t>(n_pad), 0);
+  c_buf.resize(static_cast<size_t>(n_pad));
+  if (T::kUnsignedX)
+    for (int64_t b = 0; b < f.nparts; ++b) {
+      const int32_t* cs = f.colsums + b * f.part_stride;
+      for (int64_t p = 0; p < n_pad; ++p)  // unsigned: int32 sums wrap modulo 2^32 (exact, cpu.h)
+        corr_buf[p] = static_cast<int32_t>(static_cast<uint32_t>(corr_buf[p]) + static_cast<uint32_t>(cs[p]));
+    }
+  for (int64_t r = 0; r < f.rows; ++r) {
+    std::fill(sum_buf.begin(), sum_buf.end(), 0);
+    for (int64_t b = 0; b < f.nparts; ++b) {
+      const int32_t* a = f.partials + b * f.part_stride + r * n_pad;
+      for (int64_t p = 0; p < n_pad; ++p)
+        sum_buf[p] = static_cast<int32_t>(static_cast<uint32_t>(sum_buf[p]) + static_cast<uint32_t>(a[p]));
+    }
+    const float xs = f.x_scale[r];
+    float* c = c_buf.data();
+    for (int64_t p = 0; p < n_pad; ++p) {
+      const int64_t col = (p / G) * G + T::perm(p % G);
+      if (col >= f.n) continue;
+      const int32_t acc = static_cast<int32_t>(static_cast<uint32_t>(sum_buf[p]) -
+                                               (static_cast<uint32_t>(corr_buf[p]) << 7));
+      c[col] = (static_cast<float>(acc) * xs) * f.w_scale[col];
+    }
+    float* out = f.out + r * f.ldo;
+    if (f.mode == Mode::kDequant) {
+      std::memcpy(out, c, static_cast<size_t>(f.n) * sizeof(float));
+      continue;
+    }
+    const int64_t h = f.n / 2;
+    __m256 bad = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= h; j += 8) {
+      const __m256 av = _mm256_loadu_ps(c + j), gv = _mm256_loadu_ps(c + h + j);
+      bad = _mm256_or_ps(bad, _mm256_or_ps(not_finite8(av), not_finite8(gv)));
+      _mm256_storeu_ps(out + j, swiglu8(av, gv));
+    }
+    bool ok = _mm256_movemask_ps(bad) == 0;
+    for (; j < h; ++j) {
+      if (!std::isfinite(c[j]) || !std::isfinite(c[h + j])) ok = false;
+      out[j] = swiglu_scalar(c[j], c[h + j]);
+    }
+    if (!ok) {
+      *bad_row = r;
+      return false;
     }
   }
   return true;

@@ -8,6 +8,7 @@
 // The row copies (the bulk of the work) then run over ORT's pool.
 #include "ops/moe_init_routing/op.h"
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -42,6 +43,8 @@ class MoeInitRoutingCpu final : public KernelImpl {
       fail_invalid(kOp, "input 'expert_ids' must have shape [", m, ", K] (rows of 'x'), got ",
                    shape_str(ids.shape));
     const int64_t total = m * k;
+    if (total > INT32_MAX)  // sorted_to_flat is int32 (the contract)
+      fail_unsupported(kOp, "M * K must be <= ", INT32_MAX, " (sorted_to_flat is int32), got ", total);
     const int32_t* id = ids.ptr<int32_t>();
     std::vector<int64_t> next(static_cast<size_t>(num_experts_) + 1, 0);
     for (int64_t f = 0; f < total; ++f) {
