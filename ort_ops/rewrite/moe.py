@@ -19,7 +19,13 @@ Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py``): tor
 and legacy with transformers' ``batched_mm`` experts (GatherND of stacked weights, batched MatMul),
 transformers 5.x's exporter (sort by expert, per-expert unrolled Range/Gather/MatMul/Concat),
 optimum's unrolled per-expert loop (NonZero/Gather/three MatMuls/ScatterElements), and the
-``com.microsoft`` ``MoE`` node.
+``com.microsoft`` ``MoE`` / ``QMoE`` nodes (silu with fc3, or interleaved swiglu at alpha 1,
+beta 0; QMoE's 8/4-bit codes dequantized, then re-quantized by the rule above). A shared expert
+added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``).
+
+Not handled (declined with a reason): float16/bfloat16 blocks (the probe runs on ORT's CPU
+provider), routers that are not a softmax over a linear projection (e.g. sigmoid scores with a
+selection bias), expert biases, activations other than SiLU-gated, MoE blocks inside subgraphs.
 
 Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ
 in dozens of index-plumbing nodes (OneHot/Tile, ScatterElements/CumSum, NonZero, GatherND) and
