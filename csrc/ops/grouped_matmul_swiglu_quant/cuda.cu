@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <mutex>
 
@@ -316,35 +317,59 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
                            ? p.weight + static_cast<int64_t>(e) * K * N
                            : p.weight + (static_cast<int64_t>(e) * col_tiles + ct) * K * kBRow;
 
-    auto load_stage = [&](int stage, int kt) {
-      uint8_t* as = smem + stage * C::kStage;
-      uint8_t* bs = as + C::kAStage;
-      const int k0 = kt * kBK;
+    // Load plans, fixed for the whole tile: each thread always copies the same chunks of the
+    // A and B tiles, so their global pointers, shared offsets and column predicates are set
+    // up once and the pointers step by one k tile per stage (calls come in k order). The
+    // first version recomputed 64-bit addresses per chunk and stage: ~350 instructions per
+    // k step per thread, which made the small-BM (decode) kernel issue-bound.
+    constexpr int kAPer = (BM * 4 + T - 1) / T;
+    constexpr int kBPer = kBK * kChunks / T;
+    static_assert(kBK * kChunks % T == 0, "B chunks split evenly over the threads");
+    const int8_t* a_src[kAPer];
+    uint32_t a_dst[kAPer];
+    int a_k[kAPer];        // k offset of the chunk within a k tile; INT_MAX: no chunk / row
+    const int8_t* b_src[kBPer];
+    uint32_t b_dst[kBPer];
+    int b_k[kBPer];        // k row of the chunk within a k tile; INT_MAX: column past N/2
 #pragma unroll
-      for (int i0 = 0; i0 < BM * 4; i0 += T) {
-        const int i = i0 + tid;
-        if (BM * 4 % T == 0 || i < BM * 4) {
-          const int r = i >> 2, ch = i & 3, kk = k0 + ch * 16;
-          const bool ok = r < rows && kk < K;
-          cp_async16(smem_addr(as + r * kBK + ((ch ^ ((r >> 1) & 3)) << 4)),
-                     ok ? static_cast<const void*>(xg + static_cast<int64_t>(r) * K + kk)
-                        : static_cast<const void*>(p.x),
-                     ok);
+    for (int j = 0; j < kAPer; ++j) {
+      const int i = j * T + tid;
+      const int r = i >> 2, ch = i & 3;
+      const bool used = (BM * 4 % T == 0 || i < BM * 4) && r < rows;
+      a_src[j] = xg + static_cast<int64_t>(used ? r : 0) * K + ch * 16;
+      a_dst[j] = (i < BM * 4) ? r * kBK + ((ch ^ ((r >> 1) & 3)) << 4) : 0;
+      a_k[j] = used ? ch * 16 : INT_MAX;
+    }
+    const int64_t b_step = p.weight_layout == 0 ? static_cast<int64_t>(kBK) * N
+                                                : static_cast<int64_t>(kBK) * kBRow;
+#pragma unroll
+    for (int j = 0; j < kBPer; ++j) {
+      const int i = j * T + tid;
+      const int kr = i / kChunks, cc = i % kChunks;
+      const int hcol = col0 + (cc % (kChunks / 2)) * 16;
+      const int col = (cc >= kChunks / 2 ? half : 0) + hcol;
+      b_src[j] = p.weight_layout == 0 ? wg + static_cast<int64_t>(kr) * N + col
+                                      : wg + static_cast<int64_t>(kr) * kBRow + cc * 16;
+      b_dst[j] = C::kAStage + kr * kBRow + ((cc ^ (((kr >> 2) & 3) << 1)) << 4);
+      b_k[j] = hcol < half ? kr : INT_MAX;
+    }
+    const uint32_t smem_base = smem_addr(smem);
+    auto load_stage = [&](int stage, int kt) {
+      const uint32_t st = smem_base + stage * C::kStage;
+      const int kleft = K - kt * kBK;  // chunk at k offset c is in range iff c < kleft
+#pragma unroll
+      for (int j = 0; j < kAPer; ++j) {
+        if (BM * 4 % T == 0 || j * T + tid < BM * 4) {
+          const bool ok = a_k[j] < kleft;
+          cp_async16(st + a_dst[j], ok ? static_cast<const void*>(a_src[j]) : p.x, ok);
         }
+        a_src[j] += kBK;
       }
 #pragma unroll
-      for (int i0 = 0; i0 < kBK * kChunks; i0 += T) {
-        const int i = i0 + tid;
-        const int kr = i / kChunks, cc = i % kChunks, kk = k0 + kr;
-        const int hcol = col0 + (cc % (kChunks / 2)) * 16;
-        const bool ok = kk < K && hcol < half;
-        const int col = (cc >= kChunks / 2 ? half : 0) + hcol;
-        cp_async16(smem_addr(bs + kr * kBRow + ((cc ^ (((kr >> 2) & 3) << 1)) << 4)),
-                   ok ? static_cast<const void*>(
-                            p.weight_layout == 0 ? wg + static_cast<int64_t>(kk) * N + col
-                                                 : wg + static_cast<int64_t>(kk) * kBRow + cc * 16)
-                      : static_cast<const void*>(p.weight),
-                   ok);
+      for (int j = 0; j < kBPer; ++j) {
+        const bool ok = b_k[j] < kleft;
+        cp_async16(st + b_dst[j], ok ? static_cast<const void*>(b_src[j]) : p.weight, ok);
+        b_src[j] += b_step;
       }
     };
 
