@@ -10,6 +10,9 @@
 //   dequant mode: one segment of up to 128 columns [n0, n0 + width) -> y[r, n0 ...]
 //   SwiGLU mode:  two segments of up to 64 columns, A = [h0, h0 + width) and
 //                 G = [N/2 + h0, ...) -> S[r, h0 ...] = swiglu(A, G) (float32, quantized later)
+// Experts of at most kGemvRows rows are memory-bound and take another route (GemvArgs): tasks
+// over blocks of kGemvBlockK weight rows sweep whole rows in order (sequential reads, no tile
+// buffer) into int32 partial sums, and gemv_finish adds the blocks and runs the same epilogue.
 //
 // Exactness: int32 accumulation is exact for K <= kMaxK even with -128 codes in x and W (every
 // product is <= 2^14 in size; SIMD paths that wrap modulo 2^32 mid-way still end exact because

@@ -27,7 +27,8 @@ struct Problem {
 // Validates inputs 0..4 and the attribute value; throws OpError naming the op and the input.
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n);
 
-// Runs every (expert, row chunk, column tile) task over ORT's pool.
+// Runs every (expert, row chunk, column tile) task, and for few-row experts every (expert,
+// k block) partial-sum task then one epilogue task per expert, over ORT's pool.
 //   kDequant: out = y [M, N] (ldo = N), columns [0, N).
 //   kSwiglu:  out = S [M, N/2] (ldo = N/2), A/G column pairs [0, N/2).
 // Rows past rows_used are not touched. A non-finite C in a SwiGLU tile fails the Run.
