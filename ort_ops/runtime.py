@@ -469,7 +469,15 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         uses_lib = any(o.domain == DOMAIN for o in proto.opset_import)
         runner = DenseRunner(proto, providers=providers, intra_op_threads=intra_op_threads,
                              with_library=uses_lib if with_library is None else with_library)
-        results = _greedy_dense(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens)
+        if any(n.op_type == "GroupQueryAttention" for n in proto.graph.node):
+            # ORT's GroupQueryAttention reads padding from seqlens_k as right padding; this loop
+            # pads on the left, so such a model decodes one prompt at a time (no padding at all).
+            results = []
+            for i, p in enumerate(prompts):
+                f = None if forced_tokens is None else [forced_tokens[i]]
+                results += _greedy_dense(runner, [p], max_new_tokens, eos, return_logits, progress, f)
+        else:
+            results = _greedy_dense(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens)
     for r in results:
         if return_logits:
             r.logits = np.stack(r.logits) if r.logits else np.zeros((0, 0), np.float32)
