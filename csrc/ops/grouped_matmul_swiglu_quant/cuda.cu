@@ -721,10 +721,11 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   int config = p.config;
   if (config == kGmsqAuto) {
     // Rows per expert on average: few rows make the op a weight stream (small BM); many rows
-    // make it a GEMM (BM 128 reuses each B tile 128 times). Measured on the H200
-    // (benchmarks/bench_moe_cuda.py): the k-split variants (bm16, bm32) did not pay.
+    // make it a GEMM (BM 128 reuses each B tile 128 times). Thresholds from the H200 runs of
+    // benchmarks/bench_moe_cuda.py (bm16w best up to 32 rows per expert, bm64 at 64, bm128 at
+    // 1024); the k-split variants (bm16, bm32) never won.
     const int64_t avg = p.m / p.e;
-    config = avg <= 24 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
+    config = avg <= 32 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
   }
   switch (config) {
     //                                 WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE
