@@ -815,7 +815,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
         except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
             probes2 = {}
     ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
-               probe_error, proto=ir.serde.serialize_model(work))
+               probe_error, proto=_without_large_initializers(ir.serde.serialize_model(work)))
     for v in work.graph.inputs:
         if "attention_mask" in (v.name or ""):
             ctx.shared["attention_mask"] = v
@@ -856,6 +856,17 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     result.fused = fused
     result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms)}
     return result
+
+
+def _without_large_initializers(proto, limit: int = 1 << 20):
+    """The model minus initializers over ``limit`` bytes: what the long mask probe needs (mask
+    plumbing reads shapes and small constants, never a weight matrix; if it did, the probe fails
+    and the mask is declined as unverifiable) without keeping a second copy of the weights."""
+    keep = [t for t in proto.graph.initializer if len(t.raw_data) <= limit]
+    if len(keep) != len(proto.graph.initializer):
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(keep)
+    return proto
 
 
 def _shape_inference(model: ir.Model) -> None:
