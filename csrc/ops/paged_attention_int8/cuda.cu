@@ -36,8 +36,6 @@
 namespace ort_ops {
 namespace {
 
-constexpr int kWarps = 8;  // 8 warps: latency of each stage's phases hidden by the others
-constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16;           // rows of one MMA tile
 constexpr float kNegInf = -__builtin_huge_valf();
 
@@ -60,6 +58,11 @@ static_assert(kPvSwapXor == 2 && pa_fragment::kGroupTokens == 32 && pa_fragment:
 // per-token scales; nothing is widened on the way.
 template <int D>
 struct Cfg {
+  // Warps per CTA and keys per stage. Measured on the H200 (batch 32 / 16k, D 128): 2 CTAs of
+  // 8 warps with 128-key stages per SM 432 us; 1 CTA of 16 warps with 256-key stages 517 us
+  // (while one CTA waits at a barrier, the other issues).
+  static constexpr int W = 8;
+  static constexpr int THREADS = 32 * W;
   static constexpr int KT = D >= 256 ? 64 : 128;  // keys per stage
   static constexpr int KS = D + 16;               // K row stride: the 8 rows of a fragment read hit distinct banks
   static constexpr int VS = (KT + 127) / 128 * 128 + 64;  // V row stride = 64 mod 128 bytes: conflict-free 16-byte reads
@@ -77,8 +80,8 @@ struct Cfg {
   static constexpr int C_OFF = S_OFF + kRows * S_STRIDE * 4;
   static constexpr int g_off(bool fp16) { return C_OFF + kRows * c_stride(fp16); }
   static constexpr int misc_off(bool fp16) { return g_off(fp16) + kRows * G_STRIDE * 4; }
-  // misc: red_max[kWarps][16], red_sum[kWarps][16], m, l, alpha, beta, mp (16 each), lim (16 ints)
-  static constexpr int bytes(bool fp16) { return misc_off(fp16) + (2 * kWarps * kRows + 6 * kRows) * 4; }
+  // misc: red_max[W][16], red_sum[W][16], m[2][16], l, alpha, beta (16 each), lim (16 ints)
+  static constexpr int bytes(bool fp16) { return misc_off(fp16) + (2 * W * kRows + 6 * kRows) * 4; }
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -160,8 +163,10 @@ struct TileShape {
 };
 
 template <int D, PvQuant PV, bool ROWS16>
-__global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
+__global__ void __launch_bounds__(Cfg<D>::THREADS, D >= 256 ? 1 : 2) paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
   using C = Cfg<D>;
+  constexpr int kWarps = C::W;
+  constexpr int kThreads = C::THREADS;
   constexpr int KT = C::KT;
   constexpr int QW = D / 16;   // 32-bit words of one row's d slice per lane (D/4 bytes)
   constexpr int NT = D / 8 / kWarps;  // 8-column n-tiles per warp in P.V (warp owns D/kWarps columns)
@@ -169,11 +174,10 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
   constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
   constexpr int kRi = ROWS16 ? 2 : 1;
   constexpr int CS = C::c_stride(kF16);
-  constexpr int TPT = kThreads / KT;           // threads per K row in a stage
-  constexpr int NKC = D / 16 / TPT;            // 16-byte K chunks per thread per stage (one row)
+  constexpr int NKC = KT * D / 16 / kThreads;  // 16-byte K chunks per thread per stage
   constexpr int NVC = D * KT / 16 / kThreads;  // 16-byte V chunks per thread per stage (one segment)
   constexpr int SEGS = KT / 16;                // 16-key segments of a V row in a stage
-  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % KT == 0, "stage shape");
+  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % (D / 16) == 0, "stage shape");
   static_assert(NT >= 1, "head_dim too small for the warp count");
 
   extern __shared__ __align__(16) unsigned char smem[];
@@ -182,12 +186,9 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
   float* g_sm = reinterpret_cast<float*>(smem + C::g_off(kF16));
   float* red_max = reinterpret_cast<float*>(smem + C::misc_off(kF16));
   float* red_sum = red_max + kWarps * kRows;
-  float* row_m = red_sum + kWarps * kRows;
-  float* row_l = row_m + kRows;
-  float* row_alpha = row_l + kRows;
-  float* row_beta = row_alpha + kRows;
-  float* row_mp = row_beta + kRows;
-  int* row_lim = reinterpret_cast<int*>(row_mp + kRows);
+  float* row_m = red_sum + kWarps * kRows;  // [2][16]: running max before / after a stage
+  float* row_l = row_m + 2 * kRows;
+  int* row_lim = reinterpret_cast<int*>(row_l + 3 * kRows);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
@@ -260,33 +261,41 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
     }
     return b;
   };
-  // Each thread moves one K row slice (NKC chunks of token tid / TPT), one 16-key V segment of
-  // NVC columns and, for tid < KT / 2, one 4-key scale chunk: one block id each per stage.
-  const int ktok = tid / TPT, kpart0 = (tid % TPT) * NKC;
+  // Each thread moves NKC K chunks (chunk c = tid + kThreads * i: key c / (D/16), 16 bytes at
+  // (c % (D/16)) * 16, so 8 consecutive lanes read one 128-byte key row), one 16-key V segment
+  // of NVC columns (8 lanes: 128 contiguous bytes of one V row) and, for tid < KT / 2, one 4-key
+  // scale chunk. Block ids are looked up one stage ahead.
+  const int ktok = tid / (D / 16), kpart = tid % (D / 16);
+  constexpr int kTokStep = kThreads / (D / 16);
   const int vseg = tid % SEGS, vd0 = tid / SEGS;
   const int stok = 4 * (tid % (KT / 4));
   struct Ids {
-    int k, v, sc;
+    int k[NKC];
+    int v, sc;
   };
   auto load_ids = [&](int j, Ids& ids) {
     const int kp0 = k_lo + j * KT;
     const int kend = min(kp0 + KT, k_hi);
     const bool live = j < nstages;
-    ids.k = (live && kp0 + ktok < kend) ? block_of(kp0 + ktok) : -1;
+#pragma unroll
+    for (int i = 0; i < NKC; ++i) {
+      const int pos = kp0 + ktok + kTokStep * i;
+      ids.k[i] = (live && pos < kend) ? block_of(pos) : -1;
+    }
     ids.v = (live && kp0 + 16 * vseg < kend) ? block_of(kp0 + 16 * vseg) : -1;
     ids.sc = (live && tid < KT / 2 && kp0 + stok < kend) ? block_of(kp0 + stok) : -1;
   };
   auto issue = [&](int j, const Ids& ids) {
     unsigned char* st = smem + (j & 1) * C::STAGE;
     const int kp0 = k_lo + j * KT;
-    {
-      const bool ok = ids.k >= 0;
-      const int8_t* src = ok ? p.key_cache + ids.k * blk_stride +
-                                   (static_cast<int64_t>(w.h) * B + ((kp0 + ktok) & (B - 1))) * D + kpart0 * 16
-                             : p.key_cache;
-      unsigned char* dst = st + C::K_OFF + ktok * C::KS + kpart0 * 16;
 #pragma unroll
-      for (int i = 0; i < NKC; ++i) cp_async16(dst + 16 * i, ok ? src + 16 * i : src, ok);
+    for (int i = 0; i < NKC; ++i) {
+      const int tok = ktok + kTokStep * i;
+      const bool ok = ids.k[i] >= 0;
+      const int8_t* src = ok ? p.key_cache + ids.k[i] * blk_stride +
+                                   (static_cast<int64_t>(w.h) * B + ((kp0 + tok) & (B - 1))) * D + kpart * 16
+                             : p.key_cache;
+      cp_async16(st + C::K_OFF + tok * C::KS + kpart * 16, src, ok);
     }
     {
       const bool ok = ids.v >= 0;
@@ -320,6 +329,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
     int tok, hd;
     row_lim[tid] = row_info(tid, tok, hd);
     row_m[tid] = kNegInf;
+    row_m[kRows + tid] = kNegInf;
     row_l[tid] = 0.0f;
   }
 
@@ -385,6 +395,14 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
   for (int j = 0; j < NT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   const int dbase = warp * (D / kWarps);
 
+  constexpr int NCHUNK = KT / 4;  // 4 keys per thread per row; 8 threads = one 32-key group
+  constexpr int kPasses = (kRows + kThreads / NCHUNK - 1) / (kThreads / NCHUNK);
+  static_assert(NCHUNK % 32 == 0 || 32 % NCHUNK == 0, "a row's threads tile warps");
+  constexpr int kRowLanes = NCHUNK < 32 ? NCHUNK : 32;  // lanes of one row within a warp
+  float lacc[kPasses];
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) lacc[i] = 0.0f;
+
   for (int j = 0; j < nstages; ++j) {
     cp_async_wait<1>();  // stage j has landed (stage j+1 may still be in flight)
     __syncthreads();
@@ -440,32 +458,33 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
     if (!ROWS16 && t == 0) red_max[warp * kRows + g + 8] = kNegInf;
     __syncthreads();
 
-    // ---- phase 2: merge factors ----
-    if (tid < kRows) {
-      float mp = red_max[tid];
+    // ---- phases 2+3: merge factors, W = exp(s - m_stage) * sV, per-group codes and scales ----
+    // Every thread derives its row's stage max, alpha = exp(M - M') and beta = exp(m - M') from
+    // the per-warp maxima itself (no extra barrier); row_m is double-buffered by stage parity so
+    // the old M stays readable while the new one is written. Row sums l are kept per thread
+    // (rescaled by alpha each stage) and reduced once at the end.
+    float* m_old = row_m + (j & 1) * kRows;
+    float* m_new = row_m + ((j + 1) & 1) * kRows;
 #pragma unroll
-      for (int i = 1; i < kWarps; ++i) mp = fmaxf(mp, red_max[i * kRows + tid]);
-      const float mo = row_m[tid];
-      const float mn = fmaxf(mo, mp);
-      row_alpha[tid] = mo == kNegInf ? 0.0f : expf(mo - mn);
-      row_beta[tid] = mp == kNegInf ? 0.0f : expf(mp - mn);
-      row_mp[tid] = mp;
-      row_m[tid] = mn;
-    }
-    __syncthreads();
-
-    // ---- phase 3: W = exp(s - m_stage) * sV, per-group codes and scales ----
-    constexpr int NCHUNK = KT / 4;  // 4 keys per thread per row; 8 threads = one 32-key group
-    for (int r0 = 0; r0 < rows_used; r0 += kThreads / NCHUNK) {
-      const int r = r0 + tid / NCHUNK;
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
       const int c = tid % NCHUNK;
       const int k = 4 * c;
       const bool row_ok = r < rows_used;
-      const float m = row_ok ? row_mp[r] : 0.0f;
-      const float beta = row_ok ? row_beta[r] : 0.0f;
-      const int lim_rel = row_ok ? min(row_lim[r], kend) - kp0 : 0;
+      float mp = kNegInf, mo = kNegInf;
+      int lim_rel = 0;
+      if (row_ok) {
+#pragma unroll
+        for (int i = 0; i < kWarps; ++i) mp = fmaxf(mp, red_max[i * kRows + r]);
+        mo = m_old[r];
+        lim_rel = min(row_lim[r], kend) - kp0;
+      }
+      const float mn = fmaxf(mo, mp);
+      const float alpha = mo == kNegInf ? 0.0f : __expf(mo - mn);
+      const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
+      if (row_ok && c == 0) m_new[r] = mn;
       float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float lsum = 0.0f;
+      float esum = 0.0f;
       if (k < lim_rel) {
         const float4 sc = *reinterpret_cast<const float4*>(s_sm + r * C::S_STRIDE + k);
         const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
@@ -474,12 +493,13 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           if (k + jj < lim_rel) {
-            const float e = __expf(scv[jj] - m);  // ex2.approx: a few ulp, W codes tolerate it
-            lsum += e;
+            const float e = __expf(scv[jj] - mp);  // ex2.approx: a few ulp, W codes tolerate it
+            esum += e;
             wv[jj] = e * svv[jj];
           }
         }
       }
+      lacc[pass] = alpha * lacc[pass] + beta * esum;
       float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
       gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
       gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
@@ -503,24 +523,17 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
           if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
         }
       }
-      // Row sums: NCHUNK (16 or 32) consecutive threads hold one row.
-#pragma unroll
-      for (int off = NCHUNK >= 32 ? 16 : NCHUNK / 2; off > 0; off >>= 1)
-        lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
-      if (row_ok && c % 32 == 0) red_sum[(c / 32) * kRows + r] = lsum;
     }
     __syncthreads();
-    if (tid < rows_used) {
-      float l = 0.0f;
-#pragma unroll
-      for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += red_sum[i * kRows + tid];
-      row_l[tid] = row_alpha[tid] * row_l[tid] + row_beta[tid] * l;
-    }
 
     // ---- phase 4: P.V on the tensor cores (V fragments from shared memory) ----
     {
-      const float al0 = row_alpha[g];
-      const float al1 = ROWS16 ? row_alpha[g + 8] : 0.0f;
+      auto alpha_of = [&](int r) {
+        const float mo = m_old[r], mn = m_new[r];
+        return mo == kNegInf ? 0.0f : __expf(mo - mn);
+      };
+      const float al0 = alpha_of(g);
+      const float al1 = ROWS16 ? alpha_of(g + 8) : 0.0f;
 #pragma unroll
       for (int jn = 0; jn < NT; ++jn) {
         o[jn][0] *= al0;
@@ -595,7 +608,24 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
     load_ids(j + 3, ids_next);
   }
   cp_async_wait<0>();
+  // Row sums: reduce each row's per-thread partial l (NCHUNK consecutive threads, whole warps).
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    float v = lacc[pass];
+#pragma unroll
+    for (int off = kRowLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
+    if (tid % kRowLanes == 0 && r < kRows) red_sum[((tid % NCHUNK) / 32) * kRows + r] = v;
+  }
   __syncthreads();
+  if (tid < kRows) {
+    float l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += red_sum[i * kRows + tid];
+    row_l[tid] = tid < rows_used ? l : 0.0f;
+  }
+  __syncthreads();
+  const float* m_final = row_m + (nstages & 1) * kRows;
 
   // ---- write O / l (and m, l for the merge when the keys were split) ----
 #pragma unroll
@@ -622,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, D >= 256 ? 1 : 2) paged_attention_ke
     if (ts.nsplit > 1 && warp == 0 && t == 0) {
       float2* ml = reinterpret_cast<float2*>(static_cast<float*>(p.workspace) +
                                              static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
-      ml[row * ts.nsplit + w.split] = make_float2(row_m[r], l);
+      ml[row * ts.nsplit + w.split] = make_float2(m_final[r], l);
     }
   }
 }
@@ -728,7 +758,7 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(ctas), kThreads, bytes, stream>>>(p, ts);
+  kernel<<<static_cast<unsigned>(ctas), Cfg<D>::THREADS, bytes, stream>>>(p, ts);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || ts.nsplit == 1) return err;
   merge_splits_kernel<D><<<static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads), D / 4, 0, stream>>>(
