@@ -233,8 +233,10 @@ class PagedRunner:
         logits = io.get_outputs()[-1].numpy()  # the caches stay where they are: no copy
         for seq_id, n in zip(batch, lens):
             alloc.lengths[seq_id] = n
-        last = np.asarray(cu[1:]) - 1
-        return logits.reshape(-1, logits.shape[-1])[last].astype(np.float32)
+        rows = logits.reshape(-1, logits.shape[-1])
+        if self.meta.get("logits_rows") == "last":  # lm_head already saw only the last tokens
+            return rows.astype(np.float32)
+        return rows[np.asarray(cu[1:]) - 1].astype(np.float32)
 
     def release(self, seq_id) -> None:
         self.cache.allocator.release(seq_id)

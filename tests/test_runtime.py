@@ -48,7 +48,7 @@ def test_block_allocator_reserve_release_reuse():
 def test_paged_model_interface():
     meta = paged_metadata(_paged_model())
     assert meta["num_layers"] == 2 and meta["num_kv_heads"] == 2 and meta["head_dim"] == 64
-    assert meta["block_size"] == BLOCK
+    assert meta["block_size"] == BLOCK and meta["logits_rows"] == "last"
     cache = PagedKVCache.for_model(_paged_model(), num_blocks=4)
     k, v, ks, _ = cache.buffers[0]
     assert k.shape == (4, 2, BLOCK, 64) and v.shape == (4, 2, 64, BLOCK) and ks.shape == (4, 2, BLOCK)

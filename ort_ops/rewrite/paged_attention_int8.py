@@ -1003,6 +1003,30 @@ def _fold_structural_ints(ctx: _Ctx) -> None:
             out.replace_all_uses_with(const.outputs[0])
 
 
+def _logits_of_last_tokens(ctx: _Ctx, logits: ir.Value) -> bool:
+    """Feeds lm_head only the last new token of each sequence: logits = MatMul(h, W_const)
+    [+ bias] becomes MatMul(Gather(h, cu_seqlens_q[1:] - 1, axis=1), W) [1, S, V]. Everything
+    before lm_head is per token or attention, so the rows kept are unchanged; a prefill of T
+    tokens then costs S rows of lm_head instead of T. False (logits stay [1, T, V]) when the
+    producer is not such a MatMul."""
+    node = logits.producer()
+    if node is not None and node.op_type == "Add" and any(g.const_array(i) is not None for i in node.inputs):
+        node = next((i.producer() for i in node.inputs if g.const_array(i) is None), None)
+    if node is None or node.op_type != "MatMul" or g.const_array(node.inputs[1]) is None:
+        return False
+    h = node.inputs[0]
+    if g.rank(h) not in (None, 3):
+        return False
+    tape = ir.tape.Tape()
+    op = _TapeOp(tape)
+    ends = op.Slice(ctx.shared[CU_SEQLENS_Q], _ints(op, [1]), _ints(op, [np.iinfo(np.int64).max]))
+    last = op.Sub(op.Cast(ends, to=ir.DataType.INT64), _ints(op, [1]))
+    h_last = op.Gather(h, last, axis=1)
+    ctx.model.graph.insert_before(node, tape.nodes)
+    node.replace_input_with(0, h_last)
+    return True
+
+
 def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
     """Wires the cache outputs and drops past/present/attention_mask; returns a reason when the
     model cannot become paged (then the caller leaves it unchanged)."""
@@ -1040,9 +1064,10 @@ def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
         v.shape = ir.Shape([1, "total_tokens"])
     logits = [o for o in graph.outputs if o.name not in {cache_output_name(i, p) for i in range(n_layers)
                                                           for p in CACHE_PARTS}]
+    last_only = bool(logits) and _logits_of_last_tokens(ctx, logits[0])
     for o in logits:
         if o.shape is not None and o.shape.rank() == 3:
-            o.shape = ir.Shape([1, "total_tokens", o.shape[2]])
+            o.shape = ir.Shape([1, "num_seqs" if last_only and o is logits[0] else "total_tokens", o.shape[2]])
     meta = {
         "version": 1,
         "num_layers": n_layers,
@@ -1055,6 +1080,8 @@ def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
         "input_ids": ids[0].name,
         "position_ids": pos[0].name,
         "logits": logits[0].name if logits else None,
+        # "last": one row per sequence (its last new token); "all": one row per packed token
+        "logits_rows": "last" if last_only else "all",
         "cache_inputs": [[cache_input_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
         "cache_outputs": [[cache_output_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
         "removed_inputs": sorted(v.name for v in ctx.past_layer) + ([am.name] if am is not None else []),

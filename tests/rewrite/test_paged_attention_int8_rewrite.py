@@ -86,6 +86,7 @@ def test_fixture_form_fused(name):
     if interface == "paged":
         meta = paged_metadata(m)
         assert meta["num_layers"] == LAYERS and meta["block_size"] == 16
+        assert meta["logits_rows"] == "last"  # lm_head runs on each sequence's last token only
         assert {"slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q"} <= set(names)
         assert not [n for n in names if "past" in n or n == "attention_mask"]
         outs = [o.name for o in m.graph.output]
