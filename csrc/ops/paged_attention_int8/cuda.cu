@@ -2,20 +2,23 @@
 // PagedAttentionInt8 kernels for NVIDIA tensor cores (sm_80+: mma.sync m16n8k32 s8/u8).
 // Spec: ort_ops/ops/paged_attention_int8.py; launcher contract: cuda.cuh.
 //
-// One CTA (4 warps) = one row tile x one kv head x one split of the keys. A row tile is up to 16
+// One CTA (8 warps) = one row tile x one kv head x one split of the keys. A row tile is up to 16
 // (query, q head) rows that read the same kv head: decode puts the GQA group of one query there,
-// so every K/V byte read serves the whole group; prefill packs 16 / G queries x G heads. The
-// split walks its key partitions (P keys each) in order:
-//   phase 1  Q.K on m16n8k32 s8: lane (g, t) loads D/4 consecutive bytes of key row g of an
-//            8-key tile (16-byte loads) and the A fragment holds the same d slice of Q; the d
-//            order inside the MMA is a relabelling of the reduction axis, so the dot product
-//            is unchanged. Scores (int32 * sQ * sK * scale, causal mask) go to shared memory.
-//   phase 2  row max of the partition -> merge factors alpha = exp(M - M'), beta = exp(m_p - M')
-//            (online softmax across the split's partitions).
-//   phase 3  e = exp(s - m_p), W = e * sV, per 32-key group max -> codes rint(W * L / max),
-//            group scale max / L * beta; l_p = sum e.
-//   phase 4  P.V on m16n8k32 (s8 x s8 or u8 x s8): warp w owns D/4 output columns; lane (g, t)
-//            loads V tokens 16t..16t+15 of column g (one 16-byte load of the token-innermost
+// so every K/V byte read serves the whole group; prefill packs 16 / G queries x G heads. A split
+// is a run of partition_size-key partitions (the launcher picks the split count by a wave
+// model; one split per row tile when that fills the GPU, as at batch 32). The CTA streams its
+// keys in stages of KT keys (128; 64 for D 256) through shared memory with cp.async 16-byte
+// copies, two stages in flight, and for each stage:
+//   phase 1  Q.K on m16n8k32 s8: lane (g, t) reads D/4 consecutive bytes of key row g of an
+//            8-key tile and the A fragment holds the same d slice of Q; the d order inside the
+//            MMA is a relabelling of the reduction axis, so the dot product is unchanged.
+//            Scores (int32 * sQ * sK * scale, causal mask) go to shared memory.
+//   phase 2  each row's stage max -> alpha = exp(M - M'), beta = exp(m - M') (online softmax
+//            across stages; a group's codes do not change under a common factor, DESIGN.md)
+//   phase 3  e = exp(s - m_stage), W = e * sV, per 32-key group max -> codes rint(W * L / max),
+//            group scale max / L * beta; row sums kept per thread.
+//   phase 4  P.V on m16n8k32 (s8 x s8 or u8 x s8): warp w owns D/8 output columns; lane (g, t)
+//            reads V keys 16t..16t+15 of column g (one 16-byte read of the token-innermost
 //            layout) and swaps halves with lane t^2 so that MMA i consumes exactly keys
 //            32i..32i+31 of the 64-key tile (fragment_map.h, proven by tests/test_fragments.py).
 //            Each group's int32 sum is scaled by its own group scale (V scales were folded

@@ -54,7 +54,7 @@ struct PagedAttentionParams {
   int max_context = 0;  // upper bound on seq_lens (<= M * B); sizes the grid
   float scale = 0.0f;
   PvQuant pv_quant = PvQuant::kS8;
-  int partition_size = 256;  // multiple of 32; keys are processed in partitions of this size
+  int partition_size = 256;  // multiple of 32; the unit in which keys are split across CTAs (speed only)
   int num_splits = 0;        // CTAs per (row tile, kv head) along the keys; 0: chosen here
   void* workspace = nullptr;  // paged_attention_workspace_bytes(...) bytes, 16-byte aligned
   int* status = nullptr;      // required
