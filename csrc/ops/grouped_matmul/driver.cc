@@ -92,19 +92,21 @@ Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list
 }
 
 void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
-               const Kernels& kern, float* out, int64_t ldo) {
-  if (p.rows_used == 0 || p.n == 0) return;
+               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done) {
+  if (p.rows_used == 0) return;
   const int64_t cols = mode == Mode::kSwiglu ? p.n / 2 : p.n;
   const int64_t tile_w = mode == Mode::kSwiglu ? kHalfCols : kTileCols;
   const int64_t col_tiles = (cols + tile_w - 1) / tile_w;
 
-  // x rows in the ISA's layout, prepared once and shared by every column tile.
+  // x rows in the ISA's layout, prepared once and shared by every task. Small inputs (decode)
+  // are prepared on this thread: every parallel_for is a barrier, and barriers are what an
+  // oversubscribed machine makes expensive.
   std::unique_ptr<uint8_t[]> xprep;
   int64_t stride = 0;
   if (kern.prep) {
     stride = kern.prep_stride(p.k);
     xprep.reset(new uint8_t[static_cast<size_t>(p.rows_used * stride)]);
-    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(p.k, 1));
+    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(p.k, 1));
     const int64_t chunks = (p.rows_used + rows_per - 1) / rows_per;
     parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
       const int64_t r0 = static_cast<int64_t>(c) * rows_per;
@@ -113,18 +115,25 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
     });
   }
 
-  struct Task {
-    int64_t e, r0, r1, tile;
-  };
   // Few-row experts (memory-bound) go through K-split partial sums over whole weight rows;
   // the others through column tiles that reuse each packed tile for all their rows.
+  struct Tile {
+    int64_t e, r0, r1, tile;
+  };
   struct Gemv {
     int64_t e, r0, r1;
-    size_t offset;  // into partials: nblocks * (rows * n_pad + n_pad) ints
+    size_t offset;  // into partials: kblocks * (rows * n_pad + n_pad) ints
+    size_t chunk;   // its entry in chunks
   };
-  std::vector<Task> tasks;
+  struct Chunk {  // rows whose epilogue the last of its tasks runs
+    int64_t gemv;  // index into gemvs (its k blocks are the tasks), or -1 (its column tiles are)
+    int64_t r0, r1;
+  };
+  std::vector<Tile> tiles;
   std::vector<Gemv> gemvs;
-  const bool use_gemv = kern.gemv_partial != nullptr;
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> tile_chunk;  // chunk of each tile
+  const bool use_gemv = kern.gemv_partial != nullptr && p.k > 0 && p.n > 0;
   const int64_t n_pad = use_gemv ? (p.n + kern.gemv_group - 1) / kern.gemv_group * kern.gemv_group : 0;
   const int64_t kblocks = (p.k + kGemvBlockK - 1) / kGemvBlockK;
   size_t partial_ints = 0;
@@ -132,37 +141,37 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   for (int64_t e = 0; e < p.e; ++e) {
     const int64_t end = p.ends[static_cast<size_t>(e)];
     if (use_gemv && end > start && end - start <= kGemvRows) {
-      gemvs.push_back({e, start, end, partial_ints});
+      gemvs.push_back({e, start, end, partial_ints, chunks.size()});
+      chunks.push_back({static_cast<int64_t>(gemvs.size()) - 1, start, end});
       partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));
     } else {
-      for (int64_t r0 = start; r0 < end; r0 += kRowChunk)  // empty experts add no task
-        for (int64_t t = 0; t < col_tiles; ++t) tasks.push_back({e, r0, std::min(end, r0 + kRowChunk), t});
+      for (int64_t r0 = start; r0 < end; r0 += kRowChunk) {  // empty experts add no task
+        const int64_t r1 = std::min(end, r0 + kRowChunk);
+        for (int64_t t = 0; t < col_tiles; ++t) {
+          tiles.push_back({e, r0, r1, t});
+          tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
+        }
+        chunks.push_back({-1, r0, r1});
+      }
     }
     start = end;
   }
 
+  // One parallel section: partial-sum tasks and tile tasks together; the last task of a chunk
+  // (counted down with acquire-release, so it sees every other task's writes) runs the
+  // chunk's epilogue: the few-row finish, then rows_done. No barrier between the phases.
+  std::unique_ptr<int32_t[]> partials(partial_ints ? new int32_t[partial_ints] : nullptr);
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[chunks.size() + 1]);
+  for (size_t c = 0; c < chunks.size(); ++c) pending[c].store(chunks[c].gemv >= 0 ? kblocks : col_tiles);
   std::atomic<int64_t> bad_row{-1};
-  if (!gemvs.empty()) {
-    std::unique_ptr<int32_t[]> partials(new int32_t[partial_ints]);
-    parallel_for(ctx, gemvs.size() * static_cast<size_t>(kblocks), [&](size_t i) {
-      const Gemv& g = gemvs[i / static_cast<size_t>(kblocks)];
-      const int64_t b = static_cast<int64_t>(i % static_cast<size_t>(kblocks));
-      const int64_t rows = g.r1 - g.r0;
-      GemvArgs a;
-      a.xprep = xprep.get() + g.r0 * stride;
-      a.xprep_stride = stride;
-      a.rows = rows;
-      a.k = p.k;
-      a.n = p.n;
-      a.k0 = b * kGemvBlockK;
-      a.k1 = std::min(p.k, a.k0 + kGemvBlockK);
-      a.w = p.w + g.e * p.k * p.n;
-      a.acc = partials.get() + g.offset + static_cast<size_t>(b * (rows * n_pad + n_pad));
-      a.colsum = a.acc + rows * n_pad;
-      kern.gemv_partial(a);
-    });
-    parallel_for(ctx, gemvs.size(), [&](size_t i) {
-      const Gemv& g = gemvs[i];
+  auto report = [&](int64_t row) {
+    int64_t expected = -1;
+    bad_row.compare_exchange_strong(expected, row);
+  };
+  auto finish_chunk = [&](const Chunk& c) {
+    if (bad_row.load() >= 0) return;  // the Run fails; leave the rows alone
+    if (c.gemv >= 0) {
+      const Gemv& g = gemvs[static_cast<size_t>(c.gemv)];
       GemvFinishArgs f;
       f.mode = mode;
       f.partials = partials.get() + g.offset;
@@ -177,34 +186,58 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       f.ldo = ldo;
       int64_t row = -1;
       if (!kern.gemv_finish(f, &row)) {
-        int64_t expected = -1;
-        bad_row.compare_exchange_strong(expected, g.r0 + row);
+        report(g.r0 + row);
+        return;
       }
-    });
-  }
-  parallel_for(ctx, tasks.size(), [&](size_t i) {
-    const Task& t = tasks[i];
-    TileArgs a;
-    a.mode = mode;
-    a.x = p.x + t.r0 * p.k;
-    a.xprep = xprep ? xprep.get() + t.r0 * stride : nullptr;
-    a.xprep_stride = stride;
-    a.rows = t.r1 - t.r0;
-    a.k = p.k;
-    a.n = p.n;
-    a.w = p.w + t.e * p.k * p.n;
-    a.x_scale = p.x_scale + t.r0;
-    a.w_scale = p.w_scale + t.e * p.n;
-    a.col0 = t.tile * tile_w;
-    a.width = std::min(tile_w, cols - a.col0);
-    a.out = out + t.r0 * ldo + a.col0;
-    a.ldo = ldo;
-    int64_t row = -1;
-    if (!kern.tile(a, &row)) {
-      int64_t expected = -1;
-      bad_row.compare_exchange_strong(expected, t.r0 + row);
     }
+    if (rows_done) rows_done(c.r0, c.r1);
+  };
+  const size_t n_partial = gemvs.size() * static_cast<size_t>(kblocks);
+  parallel_for(ctx, n_partial + tiles.size(), [&](size_t i) {
+    size_t chunk;
+    if (i < n_partial) {
+      const Gemv& g = gemvs[i / static_cast<size_t>(kblocks)];
+      chunk = g.chunk;
+      const int64_t b = static_cast<int64_t>(i % static_cast<size_t>(kblocks));
+      const int64_t rows = g.r1 - g.r0;
+      GemvArgs a;
+      a.xprep = xprep.get() + g.r0 * stride;
+      a.xprep_stride = stride;
+      a.rows = rows;
+      a.k = p.k;
+      a.n = p.n;
+      a.k0 = b * kGemvBlockK;
+      a.k1 = std::min(p.k, a.k0 + kGemvBlockK);
+      a.w = p.w + g.e * p.k * p.n;
+      a.acc = partials.get() + g.offset + static_cast<size_t>(b * (rows * n_pad + n_pad));
+      a.colsum = a.acc + rows * n_pad;
+      kern.gemv_partial(a);
+    } else {
+      const size_t ti = i - n_partial;
+      const Tile& t = tiles[ti];
+      chunk = static_cast<size_t>(tile_chunk[ti]);
+      TileArgs a;
+      a.mode = mode;
+      a.x = p.x + t.r0 * p.k;
+      a.xprep = xprep ? xprep.get() + t.r0 * stride : nullptr;
+      a.xprep_stride = stride;
+      a.rows = t.r1 - t.r0;
+      a.k = p.k;
+      a.n = p.n;
+      a.w = p.w + t.e * p.k * p.n;
+      a.x_scale = p.x_scale + t.r0;
+      a.w_scale = p.w_scale + t.e * p.n;
+      a.col0 = t.tile * tile_w;
+      a.width = std::min(tile_w, cols - a.col0);
+      a.out = out + t.r0 * ldo + a.col0;
+      a.ldo = ldo;
+      int64_t row = -1;
+      if (!kern.tile(a, &row)) report(t.r0 + row);
+    }
+    if (pending[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) finish_chunk(chunks[chunk]);
   });
+  // Every chunk has at least one task: few-row experts need K > 0 (use_gemv), and with no
+  // column tile at all (N = 0) there is nothing to finish (the SwiGLU op returns before).
   if (bad_row.load() >= 0)
     fail_invalid(op, "row ", bad_row.load(),
                  ": the dequantized product is not finite; check inputs 'x_scale' and 'weight_scale'");

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "common/tensor.h"
@@ -32,7 +33,10 @@ Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list
 //   kDequant: out = y [M, N] (ldo = N), columns [0, N).
 //   kSwiglu:  out = S [M, N/2] (ldo = N/2), A/G column pairs [0, N/2).
 // Rows past rows_used are not touched. A non-finite C in a SwiGLU tile fails the Run.
+// rows_done(r0, r1) (optional) runs in the second phase once rows [r0, r1) are complete: the
+// SwiGLU op quantizes them there, saving a third barrier.
+using RowsDoneFn = std::function<void(int64_t r0, int64_t r1)>;
 void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
-               const Kernels& kern, float* out, int64_t ldo);
+               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done = nullptr);
 
 }  // namespace ort_ops::grouped_matmul

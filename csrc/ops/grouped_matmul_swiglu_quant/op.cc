@@ -4,9 +4,9 @@
 // weight_scale [E, N], x_scale [M] (float32/float16), group_list int64 [E]; outputs y int8
 // [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros). Attribute group_list_type.
 //
-// Two phases: (1) grouped GEMM tiles write S = SwiGLU(C) as float32 [rows_used, N/2];
-// (2) each row is quantized by the contract's rule (the DynamicQuant row kernel). A row needs
-// every tile of its columns before its amax is known, hence the float buffer between them.
+// Two phases: (1) grouped GEMM tasks write S = SwiGLU(C) as float32 [rows_used, N/2];
+// (2) each finished row is quantized by the contract's rule (the DynamicQuant row kernel). A
+// row needs every tile of its columns before its amax is known, hence the float buffer.
 #include "ops/grouped_matmul_swiglu_quant/op.h"
 
 #include <algorithm>
@@ -52,18 +52,14 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
     }
 
     std::unique_ptr<float[]> s(new float[static_cast<size_t>(p.rows_used * h)]);
-    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h);
-
-    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 16) / h);
-    const int64_t chunks = (p.rows_used + rows_per - 1) / rows_per;
-    parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
-      const int64_t r0 = static_cast<int64_t>(c) * rows_per;
-      const int64_t r1 = std::min(p.rows_used, r0 + rows_per);
+    // Rows are quantized as soon as they are complete, in the GEMM's second phase.
+    auto quantize_rows = [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         if (!quantize_row_(s.get() + r * h, nullptr, h, y + r * h, y_scale + r))
           fail_invalid(kOp, "row ", r,
                        ": the SwiGLU output overflows float32; check inputs 'x_scale' and 'weight_scale'");
-    });
+    };
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h, quantize_rows);
   }
 
  private:

@@ -70,7 +70,8 @@ class MoeFinalizeRoutingCpu final : public KernelImpl {
 
     float* out = make_output<float>(ctx, 0, {m, h});
     if (m == 0 || h == 0) return;
-    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(h * (k + 1), 1));
+    // ~256K values a task: a decode step stays on one thread (a parallel_for is a barrier).
+    const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(h * (k + 1), 1));
     const int64_t chunks = (m + rows_per - 1) / rows_per;
     parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
       std::vector<float> tmp(eo.dtype == F16 || (res.present && res.dtype == F16) ? h : 0);
