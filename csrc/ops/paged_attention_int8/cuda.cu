@@ -59,19 +59,23 @@ static_assert(kPvSwapXor == 2 && pa_fragment::kGroupTokens == 32 && pa_fragment:
 // copies): while the tensor cores work on stage j, stage j+1 is on its way from memory. A stage
 // holds the INT8 K rows, the INT8 V columns (token innermost, as in the cache) and both
 // per-token scales; nothing is widened on the way.
-template <int D>
+template <int D, int R>
 struct Cfg {
   // Warps per CTA and keys per stage. Measured on the H200 (batch 32 / 16k, D 128): 2 CTAs of
   // 8 warps with 128-key stages per SM 432 us; 1 CTA of 16 warps with 256-key stages 517 us
-  // (while one CTA waits at a barrier, the other issues).
+  // (while one CTA waits at a barrier, the others issue: more resident CTAs win). R = rows of
+  // the row tile (8 for decode with G <= 8, else 16) sizes the score/code buffers, so that a
+  // decode CTA fits three to an SM (<= 76 KB of shared memory, <= 85 registers).
   static constexpr int W = 8;
   static constexpr int THREADS = 32 * W;
+  static constexpr int MIN_BLOCKS = D >= 256 ? 1 : (R <= 8 ? 3 : 2);
   static constexpr int KT = D >= 256 ? 64 : 128;  // keys per stage
-  static constexpr int KS = D + 16;               // K row stride: the 8 rows of a fragment read hit distinct banks
-  static constexpr int VS = (KT + 127) / 128 * 128 + 64;  // V row stride = 64 mod 128 bytes: conflict-free 16-byte reads
+  static constexpr int KS = D;  // K row stride (2-way conflicts in the small phase-1 reads; saves 2 KB/stage)
+  // V: the stage's 64-key tiles one after another, each [D][64]: a row of 64 bytes, so the two
+  // rows of a quarter-warp's 16-byte reads start 16 banks apart (conflict-free, no padding).
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = K_OFF + KT * KS;
-  static constexpr int SK_OFF = V_OFF + D * VS;
+  static constexpr int SK_OFF = V_OFF + D * KT;
   static constexpr int SV_OFF = SK_OFF + KT * 4;
   static constexpr int STAGE = SV_OFF + KT * 4;
   static constexpr int S_STRIDE = KT + 8;  // floats per score row; +8: float2 stores of a half-warp conflict-free
@@ -80,12 +84,13 @@ struct Cfg {
     return fp16 ? (2 * KT + 127) / 128 * 128 + 64 : (KT + 127) / 128 * 128 + 32;
   }
   static constexpr int S_OFF = 2 * STAGE;
-  static constexpr int C_OFF = S_OFF + kRows * S_STRIDE * 4;
-  static constexpr int g_off(bool fp16) { return C_OFF + kRows * c_stride(fp16); }
-  static constexpr int misc_off(bool fp16) { return g_off(fp16) + kRows * G_STRIDE * 4; }
-  // misc: red_max[W][16], red_sum[W][16], m[2][16], l, alpha, beta (16 each), lim (16 ints)
+  static constexpr int C_OFF = S_OFF + R * S_STRIDE * 4;
+  static constexpr int g_off(bool fp16) { return C_OFF + R * c_stride(fp16); }
+  static constexpr int misc_off(bool fp16) { return g_off(fp16) + R * G_STRIDE * 4; }
+  // misc: red_max[W][16], red_sum[W][16], m[2][16], l (16), lim (16 ints)
   static constexpr int bytes(bool fp16) { return misc_off(fp16) + (2 * W * kRows + 6 * kRows) * 4; }
 };
+static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= 233472, "three decode CTAs per SM (D 128, int8 P.V)");
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -166,8 +171,9 @@ struct TileShape {
 };
 
 template <int D, PvQuant PV, bool ROWS16>
-__global__ void __launch_bounds__(Cfg<D>::THREADS, D >= 256 ? 1 : 2) paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
-  using C = Cfg<D>;
+__global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS16 ? 16 : 8>::MIN_BLOCKS)
+    paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
   constexpr int kWarps = C::W;
   constexpr int kThreads = C::THREADS;
   constexpr int KT = C::KT;
@@ -306,10 +312,10 @@ __global__ void __launch_bounds__(Cfg<D>::THREADS, D >= 256 ? 1 : 2) paged_atten
                                    (static_cast<int64_t>(w.h) * D + vd0) * B + ((kp0 + 16 * vseg) & (B - 1))
                              : p.value_cache;
       const int64_t src_step = static_cast<int64_t>(kThreads / SEGS) * B;
-      unsigned char* dst = st + C::V_OFF + vd0 * C::VS + 16 * vseg;
+      unsigned char* dst = st + C::V_OFF + (vseg >> 2) * (D * 64) + vd0 * 64 + 16 * (vseg & 3);
 #pragma unroll
       for (int i = 0; i < NVC; ++i)
-        cp_async16(dst + i * (kThreads / SEGS) * C::VS, ok ? src + i * src_step : src, ok);
+        cp_async16(dst + i * (kThreads / SEGS) * 64, ok ? src + i * src_step : src, ok);
     }
     if (tid < KT / 2) {
       const bool is_v = tid >= KT / 4;
@@ -574,7 +580,7 @@ __global__ void __launch_bounds__(Cfg<D>::THREADS, D >= 256 ? 1 : 2) paged_atten
 #pragma unroll
       for (int jn = 0; jn < NT; ++jn) {
         // One 16-byte read: keys 64ti+16t .. +15 of output column dbase + 8jn + g.
-        const uint4 x = *reinterpret_cast<const uint4*>(v_sm + (dbase + 8 * jn + g) * C::VS + 64 * ti + 16 * t);
+        const uint4 x = *reinterpret_cast<const uint4*>(v_sm + ti * (D * 64) + (dbase + 8 * jn + g) * 64 + 16 * t);
         // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
         // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
         const bool lo = t < 2;
@@ -706,11 +712,18 @@ int sm_count() {
   return count;
 }
 
-int smem_bytes(int head_dim, bool fp16_codes) {
+template <int D>
+int resident_ctas(bool rows16, bool fp16_codes) {  // per SM: shared memory and launch bounds
+  const int bytes = rows16 ? Cfg<D, 16>::bytes(fp16_codes) : Cfg<D, 8>::bytes(fp16_codes);
+  const int by_regs = rows16 ? Cfg<D, 16>::MIN_BLOCKS : Cfg<D, 8>::MIN_BLOCKS;
+  return std::max(1, std::min(by_regs, 233472 / (bytes + 1024)));
+}
+
+int resident_ctas(int head_dim, bool rows16, bool fp16_codes) {
   switch (head_dim) {
-    case 64: return Cfg<64>::bytes(fp16_codes);
-    case 128: return Cfg<128>::bytes(fp16_codes);
-    default: return Cfg<256>::bytes(fp16_codes);
+    case 64: return resident_ctas<64>(rows16, fp16_codes);
+    case 128: return resident_ctas<128>(rows16, fp16_codes);
+    default: return resident_ctas<256>(rows16, fp16_codes);
   }
 }
 
@@ -728,7 +741,7 @@ TileShape tile_shape(const PagedAttentionParams& p) {
     // Pick the split count by a wave model: CTAs resident at once (shared memory bound, 228 KB
     // per SM), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys). Fewer splits
     // win ties: each extra split costs a partial-output write and read plus the merge.
-    const int per_sm = std::max(1, std::min(4, 233472 / (smem_bytes(p.head_dim, p.pv_quant == PvQuant::kNone) + 1024)));
+    const int per_sm = resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
     const int64_t conc = static_cast<int64_t>(sm_count()) * per_sm;
     const int64_t base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.n_qt;
     int64_t best_cost = -1;
@@ -752,7 +765,7 @@ TileShape tile_shape(const PagedAttentionParams& p) {
 template <int D, PvQuant PV>
 cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cudaStream_t stream) {
   const int rows_used = ts.qpt * ts.hpt;
-  const int bytes = Cfg<D>::bytes(PV == PvQuant::kNone);
+  const int bytes = rows_used > 8 ? Cfg<D, 16>::bytes(PV == PvQuant::kNone) : Cfg<D, 8>::bytes(PV == PvQuant::kNone);
   const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.nsplit * ts.n_qt;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (ctas == 0) return cudaSuccess;
@@ -761,7 +774,7 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(ctas), Cfg<D>::THREADS, bytes, stream>>>(p, ts);
+  kernel<<<static_cast<unsigned>(ctas), Cfg<D, 8>::THREADS, bytes, stream>>>(p, ts);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || ts.nsplit == 1) return err;
   merge_splits_kernel<D><<<static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads), D / 4, 0, stream>>>(
