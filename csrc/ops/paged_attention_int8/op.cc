@@ -230,8 +230,10 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
           part_offset[row0] = slots;
           part_count[row0] = parts;
           slots += parts;
-          for (int64_t h = 0; h < Hkv; ++h)
-            for (int64_t ps = 0; ps < parts; ++ps)
+          // Partition-major: consecutive tasks read the kv heads of the same cache blocks, which
+          // lie next to each other ([N, Hkv, B, D]), so each thread streams whole blocks.
+          for (int64_t ps = 0; ps < parts; ++ps)
+            for (int64_t h = 0; h < Hkv; ++h)
               tasks.push_back({s, h, row0, 1, pos0, ps * partition_size_,
                                std::min(visible, (ps + 1) * partition_size_), ps});
         } else {
