@@ -19,8 +19,11 @@
 
 #ifdef ORT_OPS_WITH_CUDA
 #include "cuda/cuda_info.h"
+#include "ops/dynamic_quant/cuda_op.h"
 #include "ops/grouped_matmul_dequant/cuda_op.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda_op.h"
+#include "ops/moe_finalize_routing/cuda_op.h"
+#include "ops/moe_init_routing/cuda_op.h"
 #include "ops/paged_attention_int8/cuda_op.h"
 #include "ops/quantize_kv_cache/cuda_op.h"
 #endif
@@ -51,10 +54,13 @@ std::vector<const CustomOp*> all_ops() {
       &moe_init_routing_cpu_op(),
       &moe_finalize_routing_cpu_op(),
 #ifdef ORT_OPS_WITH_CUDA
+      &dynamic_quant_cuda_op(),
       &grouped_matmul_swiglu_quant_cuda_op(),
       &paged_attention_int8_cuda_op(),
       &quantize_kv_cache_cuda_op(),
       &grouped_matmul_dequant_cuda_op(),
+      &moe_init_routing_cuda_op(),
+      &moe_finalize_routing_cuda_op(),
 #endif
   };
 }

@@ -10,6 +10,9 @@ GroupedMatmulSwigluQuant (csrc/ops/grouped_matmul_swiglu_quant/cuda.cuh):
     group_list int64 [E] -> y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M];
     plus the device error word (bit 1: invalid group_list, bit 2: non-finite C or S).
 GroupedMatmulDequant (same kernel, dequantizing mode): same inputs -> y float32 [M, N].
+DynamicQuant (csrc/ops/dynamic_quant/cuda.cuh): x float32/float16 [rows, K], smooth float32 [K]
+    or None -> y int8 [rows, K], scale float32 [rows], error word (bit 1: non-finite value).
+MoeInitRouting / MoeFinalizeRouting (csrc/ops/moe_*_routing/cuda.cuh): as their references.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from ort_ops._lib import _cdll, build_info, get_library_path
 
 ERR_GROUP_LIST = 1
 ERR_NON_FINITE = 2
+DQ_ERR_NON_FINITE = 1  # DynamicQuant's error word
+INIT_ERR_BAD_EXPERT = 1  # MoeInitRouting's
+FINALIZE_ERR_NOT_PERMUTATION = 1  # MoeFinalizeRouting's
 # Tile configurations of the GroupedMatmulSwigluQuant kernel (GmsqConfig in cuda.cuh).
 GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2, "bm16w": 3, "bm32": 4}
 
@@ -161,3 +167,86 @@ def pack_weight(weight):
     a = torch.nn.functional.pad(weight[:, :, :h], (0, pad)).view(e, k, c, PACKED_COLS)
     g = torch.nn.functional.pad(weight[:, :, h:], (0, pad)).view(e, k, c, PACKED_COLS)
     return torch.cat([a, g], dim=3).permute(0, 2, 1, 3).contiguous()
+
+
+def dynamic_quant(x, smooth=None):
+    """DynamicQuant on the GPU: x float32/float16 [..., K] (torch CUDA), smooth float32 [K] or
+    None. Returns (y int8 [..., K], scale float32 [...], err) on NaN-poisoned outputs."""
+    import torch
+
+    lib = _cdll(get_library_path())
+    fn = lib.ort_ops_dynamic_quant_cuda
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    x = x.contiguous()
+    k = x.shape[-1]
+    rows = x.numel() // k if k else int(torch.tensor(x.shape[:-1]).prod())
+    y = torch.full(x.shape, 0x55, dtype=torch.int8, device=x.device)
+    scale = torch.full(x.shape[:-1], float("nan"), dtype=torch.float32, device=x.device)
+    err = torch.zeros(4, dtype=torch.int32, device=x.device)
+    rc = fn(x.data_ptr(), int(x.dtype == torch.float16),
+            smooth.contiguous().data_ptr() if smooth is not None else None, y.data_ptr(),
+            scale.data_ptr(), err.data_ptr(), rows, k,
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    if rc != 0:
+        raise RuntimeError(f"DynamicQuant (CUDA): launch failed with cudaError_t {rc}")
+    return y, scale, int(err[0].item())
+
+
+def _stream():
+    import torch
+
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def moe_init_routing(x, expert_ids, num_experts: int):
+    """MoeInitRouting on the GPU (torch CUDA tensors): x float32/float16 [M, H], expert_ids int32
+    [M, K]. Returns (sorted_x [M*K, H], sorted_to_flat int32 [M*K], group_list int64 [E], err)."""
+    import torch
+
+    lib = _cdll(get_library_path())
+    ws_fn = lib.ort_ops_moe_init_cuda_workspace_bytes
+    ws_fn.restype = ctypes.c_size_t
+    ws_fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    fn = lib.ort_ops_moe_init_cuda
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+    x, expert_ids = x.contiguous(), expert_ids.contiguous()
+    m, h = x.shape
+    k = expert_ids.shape[1]
+    sorted_x = torch.full((m * k, h), float("nan"), dtype=x.dtype, device=x.device)
+    s2f = torch.full((m * k,), -7, dtype=torch.int32, device=x.device)
+    gl = torch.full((num_experts,), -7, dtype=torch.int64, device=x.device)
+    ws = torch.empty(ws_fn(m * k, num_experts), dtype=torch.uint8, device=x.device)
+    rc = fn(x.data_ptr(), x.element_size(), expert_ids.data_ptr(), sorted_x.data_ptr(), s2f.data_ptr(),
+            gl.data_ptr(), ws.data_ptr(), m, k, h, num_experts, _stream())
+    if rc != 0:
+        raise RuntimeError(f"MoeInitRouting (CUDA): launch failed with cudaError_t {rc}")
+    return sorted_x, s2f, gl, int(ws[:4].view(torch.int32).item())
+
+
+def moe_finalize_routing(expert_out, sorted_to_flat, topk_weights, residual=None):
+    """MoeFinalizeRouting on the GPU (torch CUDA tensors). Returns (out float32 [M, H], err)."""
+    import torch
+
+    lib = _cdll(get_library_path())
+    ws_fn = lib.ort_ops_moe_finalize_cuda_workspace_bytes
+    ws_fn.restype = ctypes.c_size_t
+    ws_fn.argtypes = [ctypes.c_int64]
+    fn = lib.ort_ops_moe_finalize_cuda
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    m, k = topk_weights.shape
+    h = expert_out.shape[1]
+    eo, s2f, tw = expert_out.contiguous(), sorted_to_flat.contiguous(), topk_weights.contiguous()
+    res = residual.contiguous() if residual is not None else None
+    out = torch.full((m, h), float("nan"), dtype=torch.float32, device=eo.device)
+    ws = torch.empty(ws_fn(m * k), dtype=torch.uint8, device=eo.device)
+    half = torch.float16
+    rc = fn(eo.data_ptr(), int(eo.dtype == half), s2f.data_ptr(), tw.data_ptr(), int(tw.dtype == half),
+            res.data_ptr() if res is not None else None, int(res is not None and res.dtype == half),
+            out.data_ptr(), ws.data_ptr(), m, k, h, _stream())
+    if rc != 0:
+        raise RuntimeError(f"MoeFinalizeRouting (CUDA): launch failed with cudaError_t {rc}")
+    return out, int(ws[:4].view(torch.int32).item())

@@ -368,6 +368,124 @@ def test_gmsq_cuda_reports_non_finite(torch_cuda, rng):
         reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl)
 
 
+@cuda
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 33), (4, 5, 129), (5, 16384), (300, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("smooth", [False, True])
+def test_dynamic_quant_cuda_matches_reference(torch_cuda, rng, shape, dtype, smooth):
+    from ort_ops._cuda_kernels import dynamic_quant
+
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100)).astype(dtype)
+    x.reshape(-1, shape[-1])[0] = 0  # an all-zero row: scale 0, codes 0
+    sm = rng.uniform(0.5, 2.0, shape[-1]).astype(np.float32) if smooth else None
+    dev = torch_cuda.device("cuda")
+    y, sc, err = dynamic_quant(torch_cuda.from_numpy(x).to(dev),
+                               torch_cuda.from_numpy(sm).to(dev) if smooth else None)
+    assert err == 0
+    ry, rs = reference.dynamic_quant(x, sm)
+    np.testing.assert_array_equal(y.cpu().numpy(), ry)
+    np.testing.assert_array_equal(sc.cpu().numpy(), rs)
+
+
+@cuda
+def test_dynamic_quant_cuda_ties_and_non_finite(torch_cuda):
+    from ort_ops._cuda_kernels import DQ_ERR_NON_FINITE, dynamic_quant
+
+    ties = np.array([127.0, 0.5, 1.5, 2.5, -2.5, 126.5, -126.5], np.float32)[None, :]
+    y, sc, err = dynamic_quant(torch_cuda.from_numpy(ties).cuda())
+    assert err == 0 and sc.item() == 1.0
+    np.testing.assert_array_equal(y.cpu().numpy()[0], [127, 0, 2, 2, -2, 126, -126])
+    bad = np.ones((3, 40), np.float32)
+    bad[1, 7] = np.inf
+    *_, err = dynamic_quant(torch_cuda.from_numpy(bad).cuda())
+    assert err & DQ_ERR_NON_FINITE
+
+
+@cuda
+@pytest.mark.parametrize("m,k,h,e", [(1, 1, 8, 1), (16, 2, 64, 8), (37, 8, 33, 64), (300, 8, 128, 64),
+                                     (0, 2, 16, 4), (1000, 2, 2048, 8)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_moe_init_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, e, dtype):
+    from ort_ops._cuda_kernels import moe_init_routing
+
+    x = rng.standard_normal((m, h)).astype(dtype)
+    ids = np.stack([rng.permutation(e)[:k] if k <= e else rng.integers(0, e, k) for _ in range(m)]).astype(
+        np.int32).reshape(m, k)
+    sx, s2f, gl, err = moe_init_routing(torch_cuda.from_numpy(x).cuda(), torch_cuda.from_numpy(ids).cuda(), e)
+    assert err == 0
+    rsx, rs2f, rgl = reference.moe_init_routing(x, ids, e)
+    np.testing.assert_array_equal(s2f.cpu().numpy(), rs2f)
+    np.testing.assert_array_equal(gl.cpu().numpy(), rgl)
+    np.testing.assert_array_equal(sx.cpu().numpy(), rsx)
+
+
+@cuda
+def test_moe_init_routing_cuda_flags_bad_ids(torch_cuda, rng):
+    from ort_ops._cuda_kernels import INIT_ERR_BAD_EXPERT, moe_init_routing
+
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 8], [3, -1], [1, 0]], np.int32)
+    *_, err = moe_init_routing(torch_cuda.from_numpy(x).cuda(), torch_cuda.from_numpy(ids).cuda(), 8)
+    assert err & INIT_ERR_BAD_EXPERT
+
+
+@cuda
+@pytest.mark.parametrize("m,k,h", [(1, 1, 8), (16, 2, 64), (37, 8, 33), (0, 2, 16), (500, 8, 2048)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_moe_finalize_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, dtype, with_residual):
+    from ort_ops._cuda_kernels import moe_finalize_routing
+
+    eo = rng.standard_normal((m * k, h)).astype(dtype)
+    s2f = rng.permutation(m * k).astype(np.int32)
+    tw = rng.uniform(0, 1, (m, k)).astype(dtype)
+    res = rng.standard_normal((m, h)).astype(dtype) if with_residual else None
+    t = lambda a: torch_cuda.from_numpy(a).cuda() if a is not None else None  # noqa: E731
+    out, err = moe_finalize_routing(t(eo), t(s2f), t(tw), t(res))
+    assert err == 0
+    np.testing.assert_array_equal(out.cpu().numpy(), reference.moe_finalize_routing(eo, s2f, tw, res))
+
+
+@cuda
+def test_moe_finalize_routing_cuda_flags_non_permutation(torch_cuda, rng):
+    from ort_ops._cuda_kernels import FINALIZE_ERR_NOT_PERMUTATION, moe_finalize_routing
+
+    eo = torch_cuda.ones((6, 4), device="cuda")
+    tw = torch_cuda.ones((3, 2), device="cuda")
+    for bad in ([0, 1, 2, 3, 4, 4], [0, 1, 2, 3, 4, 6], [-1, 1, 2, 3, 4, 5]):
+        _, err = moe_finalize_routing(eo, torch_cuda.tensor(bad, dtype=torch_cuda.int32, device="cuda"), tw)
+        assert err & FINALIZE_ERR_NOT_PERMUTATION, bad
+
+
+@cuda
+def test_moe_chain_on_gpu_matches_reference_chain(torch_cuda, rng):
+    """InitRouting -> DynamicQuant -> GMSQ -> GMD -> FinalizeRouting, all on the GPU with no host
+    round trip in between, against the same chain of numpy references: bit for bit."""
+    from ort_ops._cuda_kernels import dynamic_quant, gmd, gmsq, moe_finalize_routing, moe_init_routing
+
+    m, hid, inter, e, k = 50, 256, 160, 8, 2
+    x = rng.standard_normal((m, hid)).astype(np.float32)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(m)]).astype(np.int32)
+    tw = rng.uniform(0, 1, (m, k)).astype(np.float32)
+    w1 = rng.integers(-127, 128, (e, hid, 2 * inter), dtype=np.int8)
+    s1 = (rng.uniform(0.2, 1, (e, 2 * inter)) / 127).astype(np.float32)
+    w2 = rng.integers(-127, 128, (e, inter, hid), dtype=np.int8)
+    s2 = (rng.uniform(0.2, 1, (e, hid)) / 127).astype(np.float32)
+    c = lambda a: torch_cuda.from_numpy(a).cuda()  # noqa: E731
+    sx, s2f, gl, err0 = moe_init_routing(c(x), c(ids), e)
+    xq, xs, err1 = dynamic_quant(sx)
+    h1, h1s, _, err2 = gmsq(xq, c(w1), c(s1), xs, gl)
+    y2, err3 = gmd(h1, c(w2), c(s2), h1s, gl)
+    out, err4 = moe_finalize_routing(y2, s2f, c(tw))
+    assert (err0, err1, err2, err3, err4) == (0, 0, 0, 0, 0)
+    rsx, rs2f, rgl = reference.moe_init_routing(x, ids, e)
+    rxq, rxs = reference.dynamic_quant(rsx)
+    rh1, rh1s, _ = reference.grouped_matmul_swiglu_quant(rxq, w1, s1, rxs, rgl)
+    ry2 = reference.grouped_matmul_dequant(rh1, w2, s2, rh1s, rgl)
+    np.testing.assert_array_equal(out.cpu().numpy(), reference.moe_finalize_routing(ry2, rs2f, tw))
+
+
 # ---- through a real onnxruntime-gpu session (CUDA EP) ----
 
 @pytest.fixture
@@ -429,6 +547,58 @@ def test_gmd_cuda_ep_session(cuda_ep_session, rng):
     (y,) = sess.run(None, feeds)
     assert _providers_of(sess, "GroupedMatmulDequant") == {"CUDAExecutionProvider"}
     np.testing.assert_array_equal(y, reference.grouped_matmul_dequant(x, w, ws, xs, gl))
+
+
+@cuda
+def test_dynamic_quant_cuda_ep_session(cuda_ep_session, rng):
+    from ort_ops.ops import dynamic_quant as dq_mod
+
+    x = (rng.standard_normal((37, 300)) * 3).astype(np.float16)
+    sm = rng.uniform(0.5, 2.0, 300).astype(np.float16)
+    feeds = {"x": x, "smooth_scale": sm}
+    sess = cuda_ep_session(feeds, schema=dq_mod.SCHEMA)
+    y, sc = sess.run(None, feeds)
+    assert _providers_of(sess, "DynamicQuant") == {"CUDAExecutionProvider"}
+    ry, rs = reference.dynamic_quant(x, sm)
+    np.testing.assert_array_equal(y, ry)
+    np.testing.assert_array_equal(sc, rs)
+    feeds["x"] = x.copy()
+    feeds["x"][5, 5] = np.inf
+    with pytest.raises(Exception, match=r"DynamicQuant: input 'x' \(times 'smooth_scale'\) has a non-finite"):
+        cuda_ep_session(feeds, schema=dq_mod.SCHEMA).run(None, feeds)
+
+
+@cuda
+def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
+    from ort_ops.ops import moe_finalize_routing as fin_mod
+    from ort_ops.ops import moe_init_routing as init_mod
+
+    m, h, e, k = 40, 64, 8, 2
+    x = rng.standard_normal((m, h)).astype(np.float16)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(m)]).astype(np.int32)
+    feeds = {"x": x, "expert_ids": ids}
+    sess = cuda_ep_session(feeds, schema=init_mod.SCHEMA, num_experts=e)
+    got = sess.run(None, feeds)
+    assert _providers_of(sess, "MoeInitRouting") == {"CUDAExecutionProvider"}
+    for a, b in zip(got, reference.moe_init_routing(x, ids, e)):
+        np.testing.assert_array_equal(a, b)
+    feeds["expert_ids"] = ids.copy()
+    feeds["expert_ids"][3, 1] = e
+    with pytest.raises(Exception, match=r"MoeInitRouting: input 'expert_ids' must be in \[0, 8\), got 8 at token 3, slot 1"):
+        cuda_ep_session(feeds, schema=init_mod.SCHEMA, num_experts=e).run(None, feeds)
+
+    eo = rng.standard_normal((m * k, h)).astype(np.float32)
+    s2f = rng.permutation(m * k).astype(np.int32)
+    tw = rng.uniform(0, 1, (m, k)).astype(np.float32)
+    res = rng.standard_normal((m, h)).astype(np.float16)
+    feeds = {"expert_out": eo, "sorted_to_flat": s2f, "topk_weights": tw, "residual": res}
+    sess = cuda_ep_session(feeds, schema=fin_mod.SCHEMA)
+    (out,) = sess.run(None, feeds)
+    assert _providers_of(sess, "MoeFinalizeRouting") == {"CUDAExecutionProvider"}
+    np.testing.assert_array_equal(out, reference.moe_finalize_routing(eo, s2f, tw, res))
+    feeds["sorted_to_flat"] = np.zeros(m * k, np.int32)
+    with pytest.raises(Exception, match=r"MoeFinalizeRouting: input 'sorted_to_flat' must be a permutation"):
+        cuda_ep_session(feeds, schema=fin_mod.SCHEMA).run(None, feeds)
 
 
 @cuda

@@ -1,0 +1,27 @@
+// SPDX-License-Identifier: MIT
+// DynamicQuant on the GPU: per-row symmetric INT8 quantization of x * smooth_scale by the
+// contract's rule (DESIGN.md; spec ort_ops/ops/dynamic_quant.py), launcher on raw pointers.
+//   x      float32 or float16 [rows, K] (x_is_half selects), smooth float32 [K] or nullptr
+//   y      int8 [rows, K], scale float32 [rows]
+//   err    one device int (zeroed by the launcher): bit 1 set when a value (or product) is not
+//          finite; the outputs of such a row are then meaningless and the caller fails the Run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ort_ops::dynamic_quant_cuda {
+
+constexpr int kErrNonFinite = 1;
+
+cudaError_t launch_dynamic_quant(const void* x, bool x_is_half, const float* smooth, int8_t* y,
+                                 float* scale, int* err, int64_t rows, int64_t k,
+                                 cudaStream_t stream);
+
+}  // namespace ort_ops::dynamic_quant_cuda
+
+// Plain C entry for tests (ctypes, torch tensors); returns a cudaError_t value.
+extern "C" int ort_ops_dynamic_quant_cuda(const void* x, int x_is_half, const float* smooth,
+                                          int8_t* y, float* scale, int* err, int64_t rows,
+                                          int64_t k, void* stream);

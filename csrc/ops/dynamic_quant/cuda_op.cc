@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: MIT
+// DynamicQuant on ORT's CUDA EP (kernel: cuda.cu): x [..., K] float32/float16, smooth_scale [K]
+// optional -> y int8 [..., K], scale float32 [...]. Same validation and messages as the CPU
+// op; a non-finite value is found by the kernel and fails the Run after one stream sync.
+#include "ops/dynamic_quant/cuda_op.h"
+
+#include <memory>
+#include <vector>
+
+#include "common/tensor.h"
+#include "cuda/ort_cuda.h"
+#include "ops/dynamic_quant/cuda.cuh"
+#include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+
+namespace ort_ops {
+namespace {
+
+constexpr const char* kOp = "DynamicQuant";
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+using cuda_util::check_cuda;
+
+class DynamicQuantCuda final : public KernelImpl {
+ public:
+  explicit DynamicQuantCuda(const OrtKernelInfo*) {}
+
+  void compute(Ort::KernelContext& ctx) override {
+    const InputView x = read_input(ctx, 0);
+    const InputView smooth = read_input(ctx, 1);
+    require_present(kOp, "x", x);
+    require_dtype(kOp, "x", x, {F32, F16});
+    if (x.rank() < 1) fail_invalid(kOp, "input 'x' must have rank >= 1, got a scalar (rank 0)");
+    const int64_t k = x.dim(-1);
+    if (smooth.present) {
+      require_dtype(kOp, "smooth_scale", smooth, {F32, F16});
+      require_shape(kOp, "smooth_scale", smooth, {k});
+    }
+    std::vector<int64_t> scale_shape(x.shape.begin(), x.shape.end() - 1);
+    int8_t* y = make_output<int8_t>(ctx, 0, x.shape);
+    float* scale = make_output<float>(ctx, 1, scale_shape);
+    int64_t rows = 1;
+    for (int64_t d : scale_shape) rows *= d;
+    if (rows == 0) return;
+    auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+    const bool half_smooth = smooth.present && smooth.dtype == F16;
+    cuda_util::OrtCudaScratch scratch(kOp, ctx, 16 + (half_smooth ? 4 * static_cast<size_t>(k) : 0));
+    int* err = reinterpret_cast<int*>(scratch.get());
+    const float* sm = smooth.present ? smooth.ptr<float>() : nullptr;
+    if (half_smooth) {
+      float* dst = reinterpret_cast<float*>(scratch.get() + 16);
+      check_cuda(kOp, gmsq_cuda::launch_half_to_float(smooth.ptr<uint16_t>(), dst, k, stream),
+                 "smooth_scale conversion");
+      sm = dst;
+    }
+    check_cuda(kOp,
+               dynamic_quant_cuda::launch_dynamic_quant(x.data, x.dtype == F16, sm, y, scale, err,
+                                                        rows, k, stream),
+               "kernel launch");
+    int host_err = 0;
+    check_cuda(kOp, cudaMemcpyAsync(&host_err, err, sizeof(int), cudaMemcpyDeviceToHost, stream),
+               "error word copy");
+    check_cuda(kOp, cudaStreamSynchronize(stream), "stream synchronize");
+    if (host_err & dynamic_quant_cuda::kErrNonFinite)
+      fail_invalid(kOp, "input 'x'", sm ? " (times 'smooth_scale')" : "",
+                   " has a non-finite value (NaN or Inf); no INT8 code represents it");
+  }
+};
+
+}  // namespace
+
+const CustomOp& dynamic_quant_cuda_op() {
+  static const CustomOp op(
+      OpSpec{kOp,
+             "CUDAExecutionProvider",
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, true}},
+             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
+      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
+        return std::make_unique<DynamicQuantCuda>(info);
+      });
+  return op;
+}
+
+}  // namespace ort_ops

@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: MIT
+// MoeFinalizeRouting CUDA kernels: (1) invert sorted_to_flat with atomicCAS (a repeat or an
+// out-of-range index sets the error word), (2) one thread per output element gathers its K
+// expert rows in slot order. See cuda.cuh.
+#include "ops/moe_finalize_routing/cuda.cuh"
+
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#if defined(_WIN32)
+#define ORT_OPS_CUDA_EXPORT extern "C" __declspec(dllexport)
+#else
+#define ORT_OPS_CUDA_EXPORT extern "C" __attribute__((visibility("default")))
+#endif
+
+namespace ort_ops::moe_finalize_cuda {
+namespace {
+
+__device__ __forceinline__ float ld(const void* p, bool half, int64_t i) {
+  return half ? __half2float(static_cast<const __half*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+__global__ void invert_kernel(const int32_t* s2f, int32_t* inv, int* err, int64_t total) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t f = s2f[i];
+    if (f < 0 || f >= total || atomicCAS(inv + f, -1, static_cast<int32_t>(i)) != -1)
+      atomicOr(err, kErrNotPermutation);
+  }
+}
+
+__global__ void gather_kernel(const void* eo, bool eo_half, const int32_t* inv, const void* tw,
+                              bool tw_half, const void* res, bool res_half, float* out, int* err,
+                              int64_t m, int64_t k, int64_t h) {
+  const int64_t n = m * h;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = idx / h, col = idx % h;
+    float acc = res ? ld(res, res_half, idx) : 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = inv[row * k + j];
+      if (r < 0) {  // a slot no sorted row maps to: already reported by invert_kernel
+        atomicOr(err, kErrNotPermutation);
+        continue;
+      }
+      const float prod = __fmul_rn(ld(tw, tw_half, row * k + j), ld(eo, eo_half, r * h + col));
+      acc = __fadd_rn(acc, prod);
+    }
+    out[idx] = acc;
+  }
+}
+
+int blocks_for(int64_t n) { return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + 255) / 256, 8192))); }
+
+}  // namespace
+
+size_t moe_finalize_workspace_bytes(int64_t total) { return 16 + 4 * static_cast<size_t>(total); }
+
+cudaError_t launch_moe_finalize(const void* expert_out, bool eo_half, const int32_t* sorted_to_flat,
+                                const void* topk_weights, bool tw_half, const void* residual,
+                                bool res_half, float* out, void* workspace, int64_t m, int64_t k,
+                                int64_t h, cudaStream_t stream) {
+  if (m < 0 || k < 0 || h < 0 || m * k > INT32_MAX) return cudaErrorInvalidValue;
+  int* err = static_cast<int*>(workspace);
+  int32_t* inv = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + 16);
+  const int64_t total = m * k;
+  cudaError_t e = cudaMemsetAsync(err, 0, 16, stream);
+  if (e == cudaSuccess && total > 0) e = cudaMemsetAsync(inv, 0xff, 4 * total, stream);  // -1
+  if (e != cudaSuccess) return e;
+  if (total > 0) {
+    invert_kernel<<<blocks_for(total), 256, 0, stream>>>(sorted_to_flat, inv, err, total);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
+  if (m * h > 0) {
+    gather_kernel<<<blocks_for(m * h), 256, 0, stream>>>(expert_out, eo_half, inv, topk_weights,
+                                                          tw_half, residual, res_half, out, err,
+                                                          m, k, h);
+    e = cudaGetLastError();
+  }
+  return e;
+}
+
+}  // namespace ort_ops::moe_finalize_cuda
+
+ORT_OPS_CUDA_EXPORT size_t ort_ops_moe_finalize_cuda_workspace_bytes(int64_t total) {
+  return ort_ops::moe_finalize_cuda::moe_finalize_workspace_bytes(total);
+}
+
+ORT_OPS_CUDA_EXPORT int ort_ops_moe_finalize_cuda(const void* expert_out, int eo_half,
+                                                  const int32_t* sorted_to_flat,
+                                                  const void* topk_weights, int tw_half,
+                                                  const void* residual, int res_half, float* out,
+                                                  void* workspace, int64_t m, int64_t k, int64_t h,
+                                                  void* stream) {
+  return static_cast<int>(ort_ops::moe_finalize_cuda::launch_moe_finalize(
+      expert_out, eo_half != 0, sorted_to_flat, topk_weights, tw_half != 0, residual,
+      res_half != 0, out, workspace, m, k, h, static_cast<cudaStream_t>(stream)));
+}
