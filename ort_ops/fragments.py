@@ -22,8 +22,9 @@ Targets (``TARGETS``):
 
 Placements (how a kernel lays a 64-token P.V tile into fragments; ``Placement``):
     ``nvidia_pv_placement()``: the CUDA kernel's (csrc/ops/paged_attention_int8/cuda.cu). Lane
-        (g, t) loads 16 consecutive tokens 16t..16t+15 of V column g with one 16-byte load
-        (regs x0..x3), then swaps x2,x3 with lane t^2's x0,x1 (``__shfl_xor_sync(.., 2)``), so
+        (g, t) reads 16 consecutive tokens 16t..16t+15 of V column g with one 16-byte read of the
+        stage buffer (which cp.async fills from the token-innermost cache in 16-byte pieces;
+        regs x0..x3), then swaps x2,x3 with lane t^2's x0,x1 (``__shfl_xor_sync(.., 2)``), so
         that MMA 0 holds tokens 0..31 and MMA 1 tokens 32..63. The A side (W codes from shared
         memory) reads, for MMA i and lane t, the 8 tokens starting at
         ``32 i + PV_TOKEN_BASE[t]``, PV_TOKEN_BASE = (0, 16, 8, 24).
