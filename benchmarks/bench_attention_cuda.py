@@ -20,6 +20,7 @@ Usage: python benchmarks/bench_attention_cuda.py [--batch 1 32] [--context 4096 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import math
 import statistics
@@ -71,7 +72,7 @@ def make_paged_cache(batch, context, hkv, d, block, gen):
 def dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, scale, seqs):
     """float32 attention on the dequantized cache for the first `seqs` sequences (causal)."""
     outs = []
-    hq, d = q.shape[1], q.shape[2]
+    hq = q.shape[1]
     hkv, block = kc.shape[1], kc.shape[2]
     g = hq // hkv
     for s in range(seqs):
@@ -112,10 +113,10 @@ def bench_decode(args, writer, flush, gen):
                     rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
                     t = time_gpu(pa, args.iters, flush)
                     med = statistics.median(t)
-                    rows.append(dict(mode="decode", impl=f"ours-{pv}", batch=batch, context=ctx,
-                                     splits=pa.nsplit, median_us=med, p90_us=sorted(t)[int(0.9 * len(t))],
-                                     tb_s=kv_bytes / med / 1e6, frac_copy=kv_bytes / med / 1e6 / COPY_CEILING_TBS,
-                                     rel_l2_vs_dequant=rel, status=st))
+                    rows.append({"mode": "decode", "impl": f"ours-{pv}", "batch": batch, "context": ctx,
+                                     "splits": pa.nsplit, "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))],
+                                     "tb_s": kv_bytes / med / 1e6, "frac_copy": kv_bytes / med / 1e6 / COPY_CEILING_TBS,
+                                     "rel_l2_vs_dequant": rel, "status": st})
                     writer(rows[-1])
             del kc, vc, ks, vs
             # torch SDPA bf16, cuDNN backend, native GQA, contiguous K/V.
@@ -126,18 +127,17 @@ def bench_decode(args, writer, flush, gen):
                 kb = torch.randn((batch, hkv, ctx, d), device="cuda", dtype=torch.bfloat16, generator=gen)
                 vb = torch.randn((batch, hkv, ctx, d), device="cuda", dtype=torch.bfloat16, generator=gen)
 
-                def sdpa():
+                def sdpa(qb=qb, kb=kb, vb=vb):
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
 
                 t = time_gpu(sdpa, args.iters, flush)
                 med = statistics.median(t)
                 b16 = batch * ctx * hkv * d * 2 * 2
-                rows.append(dict(mode="decode", impl="sdpa-cudnn-bf16", batch=batch, context=ctx, splits="",
-                                 median_us=med, p90_us=sorted(t)[int(0.9 * len(t))], tb_s=b16 / med / 1e6,
-                                 frac_copy=b16 / med / 1e6 / COPY_CEILING_TBS, rel_l2_vs_dequant="", status=""))
+                rows.append({"mode": "decode", "impl": "sdpa-cudnn-bf16", "batch": batch, "context": ctx, "splits": "",
+                                 "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": b16 / med / 1e6,
+                                 "frac_copy": b16 / med / 1e6 / COPY_CEILING_TBS, "rel_l2_vs_dequant": "", "status": ""})
                 writer(rows[-1])
-                del qb, kb, vb
             except Exception as e:  # noqa: BLE001  (report and go on: a peer missing is not our failure)
                 print(f"sdpa cudnn bf16 batch {batch} ctx {ctx}: {type(e).__name__}: {e}", file=sys.stderr)
             torch.cuda.empty_cache()
@@ -154,7 +154,6 @@ def bench_prefill(args, writer, flush, gen):
         q = (torch.randn((new, hq, d), device="cuda", generator=gen) * 2).half()
         cu = torch.tensor([0, new], dtype=torch.int32, device="cuda")
         ref = dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, 1.0 / math.sqrt(d), 1)
-        base = None
         for pv in args.pv:
             pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, cu, pv_quant=pv,
                                       partition_size=args.partition, max_q_len=new)
@@ -164,9 +163,9 @@ def bench_prefill(args, writer, flush, gen):
             t = time_gpu(pa, args.iters, flush)
             med = statistics.median(t)
             flops = 4.0 * new * hq * d * (hist + (new + 1) / 2)
-            rows.append(dict(mode="prefill", impl=f"ours-{pv}", batch=1, context=hist, splits=pa.nsplit,
-                             median_us=med, p90_us=sorted(t)[int(0.9 * len(t))], tb_s=flops / med / 1e6,
-                             frac_copy="", rel_l2_vs_dequant=rel, status=st))
+            rows.append({"mode": "prefill", "impl": f"ours-{pv}", "batch": 1, "context": hist, "splits": pa.nsplit,
+                             "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": flops / med / 1e6,
+                             "frac_copy": "", "rel_l2_vs_dequant": rel, "status": st})
             writer(rows[-1])
         del kc, vc, ks, vs
         torch.cuda.empty_cache()
@@ -199,29 +198,28 @@ def main(argv=None) -> int:
     flush = _flush_buffer()
     fields = ["mode", "impl", "batch", "context", "splits", "median_us", "p90_us", "tb_s", "frac_copy",
               "rel_l2_vs_dequant", "status"]
-    fh = open(args.csv, "w", newline="") if args.csv else None
-    w = csv.DictWriter(fh, fieldnames=fields) if fh else None
-    if w:
-        w.writeheader()
-
-    def writer(row):
+    with contextlib.ExitStack() as stack:
+        fh = stack.enter_context(open(args.csv, "w", newline="")) if args.csv else None
+        w = csv.DictWriter(fh, fieldnames=fields) if fh else None
         if w:
-            w.writerow(row)
-            fh.flush()
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            w.writeheader()
 
-    rows = []
-    if not args.no_decode:
-        rows += bench_decode(args, writer, flush, gen)
-    if not args.no_prefill:
-        rows += bench_prefill(args, writer, flush, gen)
-    print("\n| mode | impl | batch | context | splits | median us | p90 us | TB/s (prefill: TOP/s) | of copy ceiling | rel L2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        f = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-        print("| " + " | ".join(f(r[k]) for k in fields[:-1]) + " |")
-    if fh:
-        fh.close()
+        def writer(row):
+            if w:
+                w.writerow(row)
+                fh.flush()
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+        rows = []
+        if not args.no_decode:
+            rows += bench_decode(args, writer, flush, gen)
+        if not args.no_prefill:
+            rows += bench_prefill(args, writer, flush, gen)
+        print("\n| mode | impl | batch | context | splits | median us | p90 us | TB/s (prefill: TOP/s) | of copy ceiling | rel L2 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            f = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+            print("| " + " | ".join(f(r[k]) for k in fields[:-1]) + " |")
     return 0
 
 

@@ -39,7 +39,7 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _lib() -> ctypes.CDLL:
     lib = _cdll(get_library_path())
     vp, ip = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)

@@ -42,8 +42,8 @@ check that the header and this table agree.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 Slot = tuple[int, int]  # (row, k) for A, (k, col) for B, (row, col) for D
 
@@ -93,7 +93,7 @@ TARGETS: dict[str, MmaTarget] = {t.name: t for t in (_nvidia_m16n8k32(), _gfx936
 
 TILE_TOKENS = 64  # one P.V tile: two MMAs of K = 32
 GROUP = 32        # DESIGN.md's W scale group: key positions [32g, 32g + 32)
-CONSECUTIVE_GROUPS = (frozenset(range(0, 32)), frozenset(range(32, 64)))
+CONSECUTIVE_GROUPS = (frozenset(range(32)), frozenset(range(32, 64)))
 
 # The CUDA kernel's A-side token base per lane quad index t (see the module docstring).
 PV_TOKEN_BASE = (0, 16, 8, 24)
@@ -192,7 +192,7 @@ def k_slot_tokens(placement: Placement) -> list[dict[int, int]]:
         ValueError: a k slot holds different tokens in two lanes, in A and B, or is unfilled.
     """
     tgt = TARGETS[placement.target]
-    out: list[dict[int, int]] = [dict() for _ in range(placement.num_mma)]
+    out: list[dict[int, int]] = [{} for _ in range(placement.num_mma)]
     for (i, lane, reg, byte), tok in placement.b.items():
         k, _col = tgt.b[lane][reg][byte]
         prev = out[i].setdefault(k, tok)

@@ -13,16 +13,19 @@ Alphabet: T query tokens, S sequences, Hq / Hkv heads, D head dim, B block size.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from ort_ops import reference
 from ort_ops._cuda import cuda_unavailable_reason
 from ort_ops.ops.paged_attention_int8 import build_paged_cache
-from tests.tolerances import (INT8_EXACT_ATOL, PA_CUDA_FLIP_BUDGET, PA_CUDA_FP16_OUT_RTOL,
-                              PA_CUDA_FLOAT_ATOL_REL, PA_CUDA_NONE_W_RTOL)
+from tests.tolerances import (
+    INT8_EXACT_ATOL,
+    PA_CUDA_FLIP_BUDGET,
+    PA_CUDA_FLOAT_ATOL_REL,
+    PA_CUDA_FP16_OUT_RTOL,
+    PA_CUDA_NONE_W_RTOL,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -30,9 +33,10 @@ _WHY = cuda_unavailable_reason()
 if _WHY is not None:
     pytest.skip(f"CUDA kernels unavailable: {_WHY}", allow_module_level=True)
 
-import torch  # noqa: E402  (only after the skip: CI has no torch with CUDA)
+# Imported only after the skip: CI has no torch with CUDA.
+import torch
 
-from ort_ops import _cuda  # noqa: E402
+from ort_ops import _cuda
 
 
 def _dev(a):
@@ -153,7 +157,7 @@ DECODE_CASES = [
 def test_decode_matches_reference(rng, case, pv_quant):
     lens, hq, hkv, d, b = case
     dtype = "float16" if rng.integers(2) else "float32"
-    query, cache, cu = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, dtype, decode=True)
+    query, cache, _ = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, dtype, decode=True)
     want, step = _ref(query, cache, None, pv_quant=pv_quant)
     for split in (0, 1, 3):
         got, status = _run(query, cache, None, pv_quant=pv_quant, num_splits=split)
