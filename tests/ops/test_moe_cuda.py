@@ -410,8 +410,8 @@ def test_moe_init_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, e, dt
     from ort_ops._cuda_kernels import moe_init_routing
 
     x = rng.standard_normal((m, h)).astype(dtype)
-    ids = np.stack([rng.permutation(e)[:k] if k <= e else rng.integers(0, e, k) for _ in range(m)]).astype(
-        np.int32).reshape(m, k)
+    ids = np.array([rng.permutation(e)[:k] if k <= e else rng.integers(0, e, k) for _ in range(m)],
+                   np.int32).reshape(m, k)
     sx, s2f, gl, err = moe_init_routing(torch_cuda.from_numpy(x).cuda(), torch_cuda.from_numpy(ids).cuda(), e)
     assert err == 0
     rsx, rs2f, rgl = reference.moe_init_routing(x, ids, e)
