@@ -180,7 +180,7 @@ def main(argv=None):
 
             x_bf16 = (x_d.float() * xs_d[:, None]).to(torch.bfloat16)
 
-            def bf16_peer():
+            def bf16_peer(x_bf16=x_bf16, w_bf16=w_bf16, offs=offs):
                 c = torch._grouped_mm(x_bf16, w_bf16, offs=offs, out_dtype=torch.bfloat16)
                 a, g = c.float().split(inter, dim=1)
                 s = F.silu(a) * g
@@ -196,7 +196,7 @@ def main(argv=None):
                 x_fp8 = x_bf16.to(torch.float8_e4m3fn)
                 sa = torch.ones(m, dtype=torch.float32, device=dev)
 
-                def fp8_peer():
+                def fp8_peer(x_fp8=x_fp8, w_fp8=w_fp8, sa=sa, wsc_fp8=wsc_fp8, offs=offs):
                     return torch._scaled_grouped_mm(x_fp8, w_fp8, sa, wsc_fp8, offs=offs,
                                                     out_dtype=torch.bfloat16)
 
@@ -209,11 +209,12 @@ def main(argv=None):
 
             base = results.get("bf16 grouped_mm+swiglu+quant", (float("nan"),))[0]
             for name, (med, p90) in results.items():
-                row = dict(case=label, E=e, topk=topk, tokens=t, M=m, active_experts=active, impl=name,
-                           median_us=round(med, 2), p90_us=round(p90, 2),
-                           speedup_vs_bf16=round(base / med, 2),
-                           tops=round(ops / med / 1e6, 1), pct_int8_peak=round(100 * ops / med / 1e6 / INT8_PEAK_TOPS, 1),
-                           tbps=round(bytes_min / med / 1e6, 2), pct_copy=round(100 * bytes_min / med / 1e6 / COPY_TBPS, 1))
+                row = {"case": label, "E": e, "topk": topk, "tokens": t, "M": m, "active_experts": active,
+                       "impl": name, "median_us": round(med, 2), "p90_us": round(p90, 2),
+                       "speedup_vs_bf16": round(base / med, 2), "tops": round(ops / med / 1e6, 1),
+                       "pct_int8_peak": round(100 * ops / med / 1e6 / INT8_PEAK_TOPS, 1),
+                       "tbps": round(bytes_min / med / 1e6, 2),
+                       "pct_copy": round(100 * bytes_min / med / 1e6 / COPY_TBPS, 1)}
                 rows_out.append(row)
             torch.cuda.empty_cache()
 

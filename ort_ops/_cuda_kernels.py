@@ -42,12 +42,12 @@ def cuda_unavailable_reason() -> str | None:
     try:
         if not build_info()["cuda"]:
             return "the ort_ops library was built without CUDA (ORT_OPS_USE_CUDA=OFF)"
-    except Exception as e:  # library missing: say so
+    except (OSError, ValueError) as e:  # library missing or unreadable: say so
         return f"ort_ops library not loadable: {e}"
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gmsq_fns():
     lib = _cdll(get_library_path())
     fn = lib.ort_ops_gmsq_cuda

@@ -85,7 +85,7 @@ def test_b_operand_placement_feeds_the_mma_the_right_columns(rng, warps_n):
     for wn in range(warps_n):
         for kb in range(2):
             # b_logical[nt][(k, col)] as the MMA sees it, from the kernel's loads + transpose
-            seen = [dict() for _ in range(8)]
+            seen = [{} for _ in range(8)]
             for lane in range(32):
                 for q in range(2):
                     for h in range(2):
@@ -441,7 +441,7 @@ def test_moe_finalize_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, d
     s2f = rng.permutation(m * k).astype(np.int32)
     tw = rng.uniform(0, 1, (m, k)).astype(dtype)
     res = rng.standard_normal((m, h)).astype(dtype) if with_residual else None
-    t = lambda a: torch_cuda.from_numpy(a).cuda() if a is not None else None  # noqa: E731
+    t = lambda a: torch_cuda.from_numpy(a).cuda() if a is not None else None
     out, err = moe_finalize_routing(t(eo), t(s2f), t(tw), t(res))
     assert err == 0
     np.testing.assert_array_equal(out.cpu().numpy(), reference.moe_finalize_routing(eo, s2f, tw, res))
@@ -472,7 +472,7 @@ def test_moe_chain_on_gpu_matches_reference_chain(torch_cuda, rng):
     s1 = (rng.uniform(0.2, 1, (e, 2 * inter)) / 127).astype(np.float32)
     w2 = rng.integers(-127, 128, (e, inter, hid), dtype=np.int8)
     s2 = (rng.uniform(0.2, 1, (e, hid)) / 127).astype(np.float32)
-    c = lambda a: torch_cuda.from_numpy(a).cuda()  # noqa: E731
+    c = lambda a: torch_cuda.from_numpy(a).cuda()
     sx, s2f, gl, err0 = moe_init_routing(c(x), c(ids), e)
     xq, xs, err1 = dynamic_quant(sx)
     h1, h1s, _, err2 = gmsq(xq, c(w1), c(s1), xs, gl)
