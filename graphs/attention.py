@@ -219,11 +219,14 @@ def emulate_kv_int8(model: onnx.ModelProto) -> onnx.ModelProto:
             amax = ir.node("ReduceMax", [absn.outputs[0], axes.outputs[0]], attributes={"keepdims": 1})
         else:
             amax = ir.node("ReduceMax", [absn.outputs[0]], attributes={"keepdims": 1, "axes": [-1]})
-        inv = ir.node("Div", [n127.outputs[0], amax.outputs[0]])  # 127 / amax first (the contract)
+        div = ir.node("Div", [n127.outputs[0], amax.outputs[0]])  # 127 / amax first (the contract)
+        zero = c(0.0)  # amax == 0 (an all-zero K/V, e.g. a zero embedding row): codes 0, not 0 * inf
+        is0 = ir.node("Equal", [amax.outputs[0], zero.outputs[0]])
+        inv = ir.node("Where", [is0.outputs[0], zero.outputs[0], div.outputs[0]])
         mul = ir.node("Mul", [new, inv.outputs[0]])
         rnd = ir.node("Round", [mul.outputs[0]])  # half to even
         scale = ir.node("Div", [amax.outputs[0], n127.outputs[0]])
         deq = ir.node("Mul", [rnd.outputs[0], scale.outputs[0]])
-        m.graph.insert_before(node, [n127, axes, absn, amax, inv, mul, rnd, scale, deq])
+        m.graph.insert_before(node, [n127, axes, absn, amax, div, zero, is0, inv, mul, rnd, scale, deq])
         node.replace_input_with(1, deq.outputs[0])
     return ir.serde.serialize_model(m)
