@@ -3,12 +3,12 @@
 // CPU. Spec: ort_ops/ops/_moe.py (the exact float32 recipe) and the two ops' references.
 //
 // Alphabet: M rows, K reduction dim, N weight columns, E experts.
-// Work unit ("tile"): the rows [0, rows) of one expert times 128 packed weight columns. A tile
+// Work unit ("tile"): the rows [0, rows) of one expert times 512 packed weight columns. A tile
 // packs its columns of W_e [K, N] (the contract's layout, no pre-packed weights) into a
 // thread-local buffer laid out for the ISA's dot-product instruction, then runs every row of
 // the expert over it, so W is read from memory once per Run whatever the row count.
-//   dequant mode: one segment of up to 128 columns [n0, n0 + width) -> y[r, n0 ...]
-//   SwiGLU mode:  two segments of up to 64 columns, A = [h0, h0 + width) and
+//   dequant mode: one segment of up to 512 columns [n0, n0 + width) -> y[r, n0 ...]
+//   SwiGLU mode:  two segments of up to 256 columns, A = [h0, h0 + width) and
 //                 G = [N/2 + h0, ...) -> S[r, h0 ...] = swiglu(A, G) (float32, quantized later)
 // Experts of at most kGemvRows rows are memory-bound and take another route (GemvArgs): tasks
 // over blocks of kGemvBlockK weight rows sweep whole rows in order (sequential reads, no tile
@@ -27,8 +27,8 @@
 namespace ort_ops::grouped_matmul {
 
 constexpr int64_t kMaxK = 131071;
-constexpr int64_t kTileCols = 128;  // packed columns per tile (two cache lines of a W row)
-constexpr int64_t kHalfCols = 64;   // SwiGLU: columns of A (and of G) per tile
+constexpr int64_t kTileCols = 512;  // packed columns per tile (8 cache lines of a W row per visit)
+constexpr int64_t kHalfCols = 256;  // SwiGLU: columns of A (and of G) per tile
 
 enum class Mode : int { kDequant = 0, kSwiglu = 1 };
 
@@ -42,7 +42,7 @@ struct TileArgs {
   const float* x_scale;   // [rows]
   const float* w_scale;   // [n] of this expert
   int64_t col0;           // dequant: first column; SwiGLU: first column of A (G at n/2 + col0)
-  int64_t width;          // columns of the segment (<= 128 dequant, <= 64 SwiGLU)
+  int64_t width;          // columns of the segment (<= 512 dequant, <= 256 SwiGLU)
   float* out;             // dequant: y + col0 of the first row; SwiGLU: S + col0
   int64_t ldo;            // floats between output rows
 };
