@@ -24,6 +24,7 @@ namespace {
 
 constexpr int64_t kStepBytes = kTileCols * 4;
 constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kGemvPrefetch = 512;  // bytes ahead in each weight row (few-row path)
 
 // Packing: each Traits::pack_group turns G columns of KPER weight rows into G * 4 bytes with
 // in-lane unpacks only (no cross-lane fix-ups), so packed columns come out in a fixed permuted
@@ -258,6 +259,11 @@ void gemv_partial_simd(const GemvArgs& g) {
       // Steps past k1 are left out entirely: their x bytes may lie past the prepared row.
       const int nu = static_cast<int>(std::min<int64_t>(KU, (g.k1 - k + T::KPER - 1) / T::KPER));
       for (int64_t c = c0; c < std::min(n_pad, c0 + chunk); c += G) {
+        // KU * KPER short streams (one per weight row) are too many and too short for the
+        // hardware prefetchers to ramp up on: fetch each a few groups ahead (rows are
+        // contiguous, so running past a row's end prefetches the start of the next).
+        for (int i = 0; i < nu * T::KPER; ++i)
+          if (k + i < g.k1) _mm_prefetch(reinterpret_cast<const char*>(g.w + (k + i) * g.n + c + kGemvPrefetch), _MM_HINT_T0);
         typename T::Vec v[KU][4];
         for (int u = 0; u < nu; ++u) {
           const int8_t* rows[T::KPER];
