@@ -204,7 +204,7 @@ def test_rounding_ties_round_half_to_even(cpu_isa):
 
 @pytest.mark.parametrize("k", [3, 257, 1037])
 def test_few_row_experts(rng, cpu_isa, k):
-    """Experts of 1-4 rows take the K-split path (blocks of 256 k, unrolled k steps): K not a
+    """Experts of 1-4 rows (<= kGemvRows = 6) take the K-split path (blocks of 256 k): K not a
     multiple of 4 or 16, several blocks, -128 codes, N/2 not a multiple of the packing group."""
     inputs = make_inputs(rng, 12, k, 300, 5, group_list=[1, 3, 3, 6, 10])
     inputs["x"][0, :] = -128
