@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: MIT
 // PagedAttentionInt8 on ORT's CUDA EP: the same inputs, attributes and error messages as the CPU
-// op (op.cc), validated on the host where the values are shapes; the kernels of cuda.cu run on
-// the session's compute stream with scratch (split partials + the status word) from ORT's CUDA
-// allocator.
+// op, validated on the host where the values are shapes (validate.cc, shared with op.cc, plus
+// the CUDA kernels' limits here); the kernels of cuda.cu run on the session's compute stream
+// with scratch (split partials + the status word) from ORT's CUDA allocator.
 //
 // block_tables, seq_lens and cu_seqlens_q live on the device, so their values are checked by
 // the kernel itself (it never reads out of bounds on bad values) and reported in a status word.
@@ -12,17 +12,20 @@
 
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <memory>
 #include <string>
 
 #include "common/tensor.h"
 #include "ops/paged_attention_int8/cuda.cuh"
+#include "ops/paged_attention_int8/validate.h"
 
 namespace ort_ops {
 namespace {
 
-constexpr const char* kOp = "PagedAttentionInt8";
+namespace pa = paged_attention_int8;
+
+using pa::kOp;
+
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
@@ -33,6 +36,20 @@ void check_cuda(cudaError_t err, const char* what) {
     throw OpError(ORT_EP_FAIL, str_cat(kOp, " (CUDA): ", what, " failed: ", cudaGetErrorName(err), " (",
                                        cudaGetErrorString(err), ")"));
 }
+
+// What the kernels of cuda.cu take (cuda.cuh): qk_quant s8 only.
+void check_cuda_attrs(const pa::Attrs& a) {
+  if (!a.qk_s8) fail_unsupported(kOp, "(CUDA) attribute 'qk_quant' must be s8 on CUDA, got 'none'");
+}
+
+// Head dims with a kernel instance; blocks of >= 16 keys for the 16-byte V loads of one block.
+void check_cuda_head_dim_and_block_size(int64_t D, int64_t B) {
+  if (D != 64 && D != 128 && D != 256) fail_unsupported(kOp, "(CUDA) head_dim must be one of {64, 128, 256}, got ", D);
+  if (B < 16 || B > 256 || (B & (B - 1)) != 0)
+    fail_unsupported(kOp, "(CUDA) block_size (dim 2 of input 'key_cache') must be a power of two in 16..256, got ", B);
+}
+
+constexpr pa::DeviceChecks kCudaChecks{check_cuda_attrs, check_cuda_head_dim_and_block_size};
 
 class Scratch {
  public:
@@ -59,59 +76,17 @@ class Scratch {
 
 class PagedAttentionInt8Cuda final : public KernelImpl {
  public:
-  explicit PagedAttentionInt8Cuda(const OrtKernelInfo* info) {
-    const std::string qk = attr_string(info, "qk_quant", "s8");
-    const std::string pv = attr_string(info, "pv_quant", "s8");
-    if (qk != "s8" && qk != "none") fail_invalid(kOp, "attribute 'qk_quant' must be s8 or none, got '", qk, "'");
-    if (pv != "s8" && pv != "u8" && pv != "none")
-      fail_invalid(kOp, "attribute 'pv_quant' must be s8, u8 or none, got '", pv, "'");
-    if (qk != "s8") fail_unsupported(kOp, "(CUDA) attribute 'qk_quant' must be s8 on CUDA, got '", qk, "'");
-    pv_ = pv == "s8" ? PvQuant::kS8 : pv == "u8" ? PvQuant::kU8 : PvQuant::kNone;
-    partition_size_ = attr_int(info, "partition_size", 256);
-    if (partition_size_ <= 0 || partition_size_ % 32 != 0)
-      fail_invalid(kOp, "attribute 'partition_size' must be a positive multiple of 32, got ", partition_size_);
-    has_scale_ = has_attr(info, "scale");
-    if (has_scale_) {
-      scale_ = attr_float(info, "scale", 0.0f);
-      if (!std::isfinite(scale_)) fail_invalid(kOp, "attribute 'scale' must be finite, got ", scale_);
-    }
+  explicit PagedAttentionInt8Cuda(const OrtKernelInfo* info) : attrs_(pa::parse_attrs(info, kCudaChecks)) {
+    pv_ = attrs_.pv_quant == "s8" ? PvQuant::kS8 : attrs_.pv_quant == "u8" ? PvQuant::kU8 : PvQuant::kNone;
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView q = read_input(ctx, 0);
-    const InputView kc = read_input(ctx, 1), vc = read_input(ctx, 2);
-    const InputView ks = read_input(ctx, 3), vs = read_input(ctx, 4);
-    const InputView bt = read_input(ctx, 5), sl = read_input(ctx, 6), cu = read_input(ctx, 7);
-    require_dtype(kOp, "query", q, {F32, F16});
-    require_dtype(kOp, "key_cache", kc, {I8});
-    require_dtype(kOp, "value_cache", vc, {I8});
-    require_dtype(kOp, "key_scale", ks, {F32});
-    require_dtype(kOp, "value_scale", vs, {F32});
-    require_dtype(kOp, "block_tables", bt, {I32});
-    require_dtype(kOp, "seq_lens", sl, {I32});
-    require_rank(kOp, "query", q, 3);
-    const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2);
-    require_rank(kOp, "key_cache", kc, 4);
-    const int64_t N = kc.dim(0), Hkv = kc.dim(1), B = kc.dim(2);
-    require_shape(kOp, "key_cache", kc, {N, Hkv, B, D});
-    if (D != 64 && D != 128 && D != 256)
-      fail_unsupported(kOp, "(CUDA) head_dim must be one of {64, 128, 256}, got ", D);
-    if (B < 16 || B > 256 || (B & (B - 1)) != 0)
-      fail_unsupported(kOp, "(CUDA) block_size (dim 2 of input 'key_cache') must be a power of two in 16..256, got ", B);
-    if (Hkv <= 0 || Hq % Hkv != 0)
-      fail_invalid(kOp, "query heads (", Hq, ") must be a multiple of kv heads (", Hkv, ", dim 1 of input 'key_cache')");
-    require_shape(kOp, "value_cache", vc, {N, Hkv, D, B});
-    require_shape(kOp, "key_scale", ks, {N, Hkv, B});
-    require_shape(kOp, "value_scale", vs, {N, Hkv, B});
-    require_rank(kOp, "block_tables", bt, 2);
-    const int64_t S = bt.dim(0), M = bt.dim(1);
-    require_shape(kOp, "seq_lens", sl, {S});
-    if (cu.present) {
-      require_dtype(kOp, "cu_seqlens_q", cu, {I32});
-      require_shape(kOp, "cu_seqlens_q", cu, {S + 1});
-    } else if (T != S) {
-      fail_invalid(kOp, "input 'query' must have T == S == ", S, " rows in decode (no 'cu_seqlens_q'), got T = ", T);
-    }
+    const pa::Inputs in = pa::read_inputs(ctx);
+    const pa::Dims dims = pa::validate_inputs(in, kCudaChecks);
+    const InputView& q = in.query;
+    const InputView& cu = in.cu_seqlens_q;
+    const int64_t T = dims.T, Hq = dims.Hq, D = dims.D, N = dims.N, Hkv = dims.Hkv, B = dims.B, S = dims.S,
+                  M = dims.M;
     if (T >= (int64_t{1} << 31) / Hq || M * B >= (int64_t{1} << 31) || N * Hkv * B * D >= (int64_t{1} << 40))
       fail_unsupported(kOp, "(CUDA) tensor sizes beyond 32-bit token/position indices");
     void* out = make_output_raw(ctx, 0, q.shape);
@@ -120,12 +95,12 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
     PagedAttentionParams p;
     p.query = q.data;
     p.query_fp16 = q.dtype == F16;
-    p.key_cache = kc.ptr<int8_t>();
-    p.value_cache = vc.ptr<int8_t>();
-    p.key_scale = ks.ptr<float>();
-    p.value_scale = vs.ptr<float>();
-    p.block_tables = bt.ptr<int32_t>();
-    p.seq_lens = sl.ptr<int32_t>();
+    p.key_cache = in.key_cache.ptr<int8_t>();
+    p.value_cache = in.value_cache.ptr<int8_t>();
+    p.key_scale = in.key_scale.ptr<float>();
+    p.value_scale = in.value_scale.ptr<float>();
+    p.block_tables = in.block_tables.ptr<int32_t>();
+    p.seq_lens = in.seq_lens.ptr<int32_t>();
     p.cu_seqlens_q = cu.present ? cu.ptr<int32_t>() : nullptr;
     p.output = out;
     p.num_tokens = static_cast<int>(T);
@@ -138,9 +113,9 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
     p.num_blocks = static_cast<int>(N);
     p.max_q_len = cu.present ? static_cast<int>(T) : 1;
     p.max_context = static_cast<int>(M * B);
-    p.scale = has_scale_ ? scale_ : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    p.scale = attrs_.softmax_scale(D);
     p.pv_quant = pv_;
-    p.partition_size = static_cast<int>(partition_size_);
+    p.partition_size = static_cast<int>(attrs_.partition_size);
     if (const char* why = paged_attention_unsupported(p)) fail_unsupported(kOp, "(CUDA) ", why);
 
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
@@ -165,10 +140,8 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
   }
 
  private:
+  pa::Attrs attrs_;
   PvQuant pv_ = PvQuant::kS8;
-  int64_t partition_size_ = 256;
-  bool has_scale_ = false;
-  float scale_ = 0.0f;
 };
 
 }  // namespace

@@ -5,10 +5,11 @@
 // ort_ops/ops/paged_attention_int8.py.
 //
 // Design (what each task owns, where scales live):
-// - Validation first, all of it: shapes, dtypes, head_dim in {64, 80, 96, 128, 256}, block size
-//   a power of two 8..256, Hq % Hkv, seq_lens within the block table, every block id a query
-//   can reach within 0..N-1, cu_seqlens_q rising from 0 to T with q_len <= seq_len. After this
-//   no task can read outside the buffers.
+// - Validation first, all of it: shapes, dtypes, Hq % Hkv (validate.cc, shared with the CUDA
+//   op); the CPU kernels' limits (head_dim in {64, 80, 96, 128, 256}, block size a power of two
+//   8..256); the table values: seq_lens within the block table, every block id a query can
+//   reach within 0..N-1, cu_seqlens_q rising from 0 to T with q_len <= seq_len. After this no
+//   task can read outside the buffers.
 // - Query prep (parallel over T * Hq rows): qk s8 quantizes each (token, q head) row with the
 //   contract's rule into zero-padded codes + one scale; qk none keeps float32. Non-finite
 //   queries fail the Run.
@@ -39,19 +40,32 @@
 #include "common/tensor.h"
 #include "ops/dynamic_quant/cpu.h"
 #include "ops/paged_attention_int8/cpu.h"
+#include "ops/paged_attention_int8/validate.h"
 
 namespace ort_ops {
 namespace {
 
 namespace pa = paged_attention_int8;
 
-constexpr const char* kOp = "PagedAttentionInt8";
+using pa::kOp;
+
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 
-bool supported_head_dim(int64_t d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
+// validate.cc checks partition_size % 32; partitions must hold whole W scale groups.
+static_assert(pa::kGroup == 32, "partition_size is checked as a multiple of 32");
+
+// What the CPU kernels take (cpu.h): these head dims, power-of-two blocks of 8..256 keys.
+void check_cpu_head_dim_and_block_size(int64_t D, int64_t B) {
+  if (D != 64 && D != 80 && D != 96 && D != 128 && D != 256)
+    fail_unsupported(kOp, "head_dim must be one of {64, 80, 96, 128, 256}, got ", D);
+  if (B < 8 || B > 256 || (B & (B - 1)) != 0)
+    fail_unsupported(kOp, "block_size (dim 2 of input 'key_cache') must be a power of two in "
+                     "8..256, got ", B);
+}
+
+constexpr pa::DeviceChecks kCpuChecks{nullptr, check_cpu_head_dim_and_block_size};
 
 // A task's working memory (cpu.h, Scratch) carved from one buffer per pool thread that is kept
 // across Runs: a decode step runs hundreds of tasks, and allocating per task would cost more
@@ -86,25 +100,11 @@ pa::Scratch task_scratch(int64_t rows, int64_t d) {
 
 class PagedAttentionInt8Cpu final : public KernelImpl {
  public:
-  explicit PagedAttentionInt8Cpu(const OrtKernelInfo* info) : isa_(selected_isa(kOp)) {
-    const std::string qk = attr_string(info, "qk_quant", "s8");
-    const std::string pv = attr_string(info, "pv_quant", "s8");
-    if (qk != "s8" && qk != "none")
-      fail_invalid(kOp, "attribute 'qk_quant' must be s8 or none, got '", qk, "'");
-    if (pv != "s8" && pv != "u8" && pv != "none")
-      fail_invalid(kOp, "attribute 'pv_quant' must be s8, u8 or none, got '", pv, "'");
-    qk_s8_ = qk == "s8";
-    pv_ = pv == "s8" ? pa::PvMode::kS8 : pv == "u8" ? pa::PvMode::kU8 : pa::PvMode::kNone;
-    partition_size_ = attr_int(info, "partition_size", 256);
-    if (partition_size_ <= 0 || partition_size_ % pa::kGroup != 0)
-      fail_invalid(kOp, "attribute 'partition_size' must be a positive multiple of 32, got ",
-                   partition_size_);
-    has_scale_ = has_attr(info, "scale");
-    if (has_scale_) {
-      scale_ = attr_float(info, "scale", 0.0f);
-      if (!std::isfinite(scale_))
-        fail_invalid(kOp, "attribute 'scale' must be finite, got ", scale_);
-    }
+  explicit PagedAttentionInt8Cpu(const OrtKernelInfo* info)
+      : isa_(selected_isa(kOp)), attrs_(pa::parse_attrs(info, kCpuChecks)) {
+    pv_ = attrs_.pv_quant == "s8"   ? pa::PvMode::kS8
+          : attrs_.pv_quant == "u8" ? pa::PvMode::kU8
+                                    : pa::PvMode::kNone;
     task_ = pa::task_fn(isa_);
     quantize_row_ = dynamic_quant::quantize_row_fn(isa_);
     half_to_float_ = half_to_float_fn(isa_);
@@ -112,44 +112,17 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView q = read_input(ctx, 0);
-    const InputView kc = read_input(ctx, 1), vc = read_input(ctx, 2);
-    const InputView ks = read_input(ctx, 3), vs = read_input(ctx, 4);
-    const InputView bt = read_input(ctx, 5), sl = read_input(ctx, 6), cu = read_input(ctx, 7);
-    require_dtype(kOp, "query", q, {F32, F16});
-    require_dtype(kOp, "key_cache", kc, {I8});
-    require_dtype(kOp, "value_cache", vc, {I8});
-    require_dtype(kOp, "key_scale", ks, {F32});
-    require_dtype(kOp, "value_scale", vs, {F32});
-    require_dtype(kOp, "block_tables", bt, {I32});
-    require_dtype(kOp, "seq_lens", sl, {I32});
-    require_rank(kOp, "query", q, 3);
-    const int64_t T = q.dim(0), Hq = q.dim(1), D = q.dim(2);
-    require_rank(kOp, "key_cache", kc, 4);
-    const int64_t N = kc.dim(0), Hkv = kc.dim(1), B = kc.dim(2);
-    require_shape(kOp, "key_cache", kc, {N, Hkv, B, D});
-    if (!supported_head_dim(D))
-      fail_unsupported(kOp, "head_dim must be one of {64, 80, 96, 128, 256}, got ", D);
-    if (B < 8 || B > 256 || (B & (B - 1)) != 0)
-      fail_unsupported(kOp, "block_size (dim 2 of input 'key_cache') must be a power of two in "
-                       "8..256, got ", B);
-    if (Hkv <= 0 || Hq % Hkv != 0)
-      fail_invalid(kOp, "query heads (", Hq, ") must be a multiple of kv heads (", Hkv,
-                   ", dim 1 of input 'key_cache')");
-    require_shape(kOp, "value_cache", vc, {N, Hkv, D, B});
-    require_shape(kOp, "key_scale", ks, {N, Hkv, B});
-    require_shape(kOp, "value_scale", vs, {N, Hkv, B});
-    require_rank(kOp, "block_tables", bt, 2);
-    const int64_t S = bt.dim(0), M = bt.dim(1);
-    require_shape(kOp, "seq_lens", sl, {S});
-    const int32_t* seq_lens = sl.ptr<int32_t>();
-    const int32_t* tables = bt.ptr<int32_t>();
+    const pa::Inputs in = pa::read_inputs(ctx);
+    const pa::Dims dims = pa::validate_inputs(in, kCpuChecks);
+    const InputView &q = in.query, &cu = in.cu_seqlens_q;
+    const int64_t T = dims.T, Hq = dims.Hq, D = dims.D, N = dims.N, Hkv = dims.Hkv, B = dims.B,
+                  S = dims.S, M = dims.M;
+    const int32_t* seq_lens = in.seq_lens.ptr<int32_t>();
+    const int32_t* tables = in.block_tables.ptr<int32_t>();
 
     // Query rows of each sequence.
     std::vector<int64_t> cu_q(S + 1);
     if (cu.present) {
-      require_dtype(kOp, "cu_seqlens_q", cu, {I32});
-      require_shape(kOp, "cu_seqlens_q", cu, {S + 1});
       const int32_t* c = cu.ptr<int32_t>();
       for (int64_t s = 0; s <= S; ++s) cu_q[s] = c[s];
       bool ok = cu_q[0] == 0 && cu_q[S] == T;
@@ -158,10 +131,7 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
         fail_invalid(kOp, "input 'cu_seqlens_q' must rise from 0 to T = ", T,
                      " (non-decreasing), got ", shape_str(cu_q));
     } else {
-      if (T != S)
-        fail_invalid(kOp, "input 'query' must have T == S == ", S,
-                     " rows in decode (no 'cu_seqlens_q'), got T = ", T);
-      for (int64_t s = 0; s <= S; ++s) cu_q[s] = s;
+      for (int64_t s = 0; s <= S; ++s) cu_q[s] = s;  // decode: T == S, checked
     }
     for (int64_t s = 0; s < S; ++s) {
       const int64_t len = seq_lens[s];
@@ -187,21 +157,21 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
     // Query prep: codes + scale (qk s8) or float32 (qk none), zero padded to a multiple of 32.
     const int64_t DP = (D + 31) / 32 * 32;
     const int64_t rows = T * Hq;
-    std::vector<int8_t> q_codes(qk_s8_ ? rows * DP : 0, 0);
-    std::vector<float> q_scale(qk_s8_ ? rows : 0);
-    std::vector<float> q_f32(qk_s8_ ? 0 : rows * DP, 0.0f);
+    std::vector<int8_t> q_codes(attrs_.qk_s8 ? rows * DP : 0, 0);
+    std::vector<float> q_scale(attrs_.qk_s8 ? rows : 0);
+    std::vector<float> q_f32(attrs_.qk_s8 ? 0 : rows * DP, 0.0f);
     parallel_for(ctx, static_cast<size_t>(T), [&](size_t ti) {
       const int64_t t = static_cast<int64_t>(ti);
       std::vector<float> buf(D);
       for (int64_t h = 0; h < Hq; ++h) {
         const int64_t r = t * Hq + h;
-        float* x = qk_s8_ ? buf.data() : q_f32.data() + r * DP;
+        float* x = attrs_.qk_s8 ? buf.data() : q_f32.data() + r * DP;
         if (q.dtype == F32)
           std::memcpy(x, q.ptr<float>() + r * D, D * sizeof(float));
         else
           half_to_float_(q.ptr<uint16_t>() + r * D, x, D);
         bool finite = true;
-        if (qk_s8_) {
+        if (attrs_.qk_s8) {
           finite = quantize_row_(x, nullptr, D, q_codes.data() + r * DP, &q_scale[r]);
         } else {
           for (int64_t d = 0; d < D; ++d) finite = finite && std::isfinite(x[d]);
@@ -226,7 +196,7 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
         const int64_t row0 = cu_q[s] + c, pos0 = first + c;
         const int64_t visible = pos0 + n;  // keys 0 .. visible - 1 for the chunk's last query
         if (n == 1) {
-          const int64_t parts = (visible + partition_size_ - 1) / partition_size_;
+          const int64_t parts = (visible + attrs_.partition_size - 1) / attrs_.partition_size;
           part_offset[row0] = slots;
           part_count[row0] = parts;
           slots += parts;
@@ -234,8 +204,8 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
           // lie next to each other ([N, Hkv, B, D]), so each thread streams whole blocks.
           for (int64_t ps = 0; ps < parts; ++ps)
             for (int64_t h = 0; h < Hkv; ++h)
-              tasks.push_back({s, h, row0, 1, pos0, ps * partition_size_,
-                               std::min(visible, (ps + 1) * partition_size_), ps});
+              tasks.push_back({s, h, row0, 1, pos0, ps * attrs_.partition_size,
+                               std::min(visible, (ps + 1) * attrs_.partition_size), ps});
         } else {
           for (int64_t j = 0; j < n; ++j) {
             part_offset[row0 + j] = slots++;
@@ -248,10 +218,10 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
 
     std::vector<float> part_o(slots * Hq * D), part_m(slots * Hq), part_l(slots * Hq);
     pa::Params p{};
-    p.key_cache = kc.ptr<int8_t>();
-    p.value_cache = vc.ptr<int8_t>();
-    p.key_scale = ks.ptr<float>();
-    p.value_scale = vs.ptr<float>();
+    p.key_cache = in.key_cache.ptr<int8_t>();
+    p.value_cache = in.value_cache.ptr<int8_t>();
+    p.key_scale = in.key_scale.ptr<float>();
+    p.value_scale = in.value_scale.ptr<float>();
     p.block_tables = tables;
     p.max_blocks = M;
     p.num_kv_heads = Hkv;
@@ -262,8 +232,8 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
     p.padded_dim = DP;
     p.num_q_heads = Hq;
     p.group = G;
-    p.scale = has_scale_ ? scale_ : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    p.qk_s8 = qk_s8_;
+    p.scale = attrs_.softmax_scale(D);
+    p.qk_s8 = attrs_.qk_s8;
     p.pv = pv_;
     p.q_codes = q_codes.data();
     p.q_scale = q_scale.data();
@@ -308,11 +278,8 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
 
  private:
   CpuIsa isa_;
-  bool qk_s8_ = true;
+  pa::Attrs attrs_;
   pa::PvMode pv_ = pa::PvMode::kS8;
-  int64_t partition_size_ = 256;
-  bool has_scale_ = false;
-  float scale_ = 0.0f;
   pa::TaskFn task_;
   dynamic_quant::QuantizeRowFn quantize_row_;
   HalfToFloatFn half_to_float_;

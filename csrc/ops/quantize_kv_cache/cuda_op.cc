@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// QuantizeKVCache on ORT's CUDA EP: the CPU op's inputs, checks and messages (op.cc), the
-// kernel of cuda.cu on the session's compute stream.
+// QuantizeKVCache on ORT's CUDA EP: the CPU op's inputs, checks and messages (validate.cc, shared
+// with op.cc) plus the CUDA kernel's limits, the kernel of cuda.cu on the session's compute stream.
 //
 // slot_mapping is on the device; it is copied to the host (T int64, once per Run) so that an
 // out-of-range or repeated slot fails the Run before anything is written, as on the CPU. A
@@ -12,18 +12,21 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <functional>
 #include <memory>
 #include <vector>
 
 #include "common/tensor.h"
 #include "ops/quantize_kv_cache/cuda.cuh"
+#include "ops/quantize_kv_cache/validate.h"
 
 namespace ort_ops {
 namespace {
 
-constexpr const char* kOp = "QuantizeKVCache";
+namespace kvc = quantize_kv_cache;
+
+using kvc::kOp;
+
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
@@ -35,35 +38,23 @@ void check_cuda(cudaError_t err, const char* what) {
                                        cudaGetErrorString(err), ")"));
 }
 
+// The kernel reads key and value as one dtype.
+void check_same_float_dtype(const InputView& key, const InputView& value) {
+  if (value.dtype != key.dtype)
+    fail_unsupported(kOp, "(CUDA) input 'value' must have the dtype of 'key' (", dtype_name(key.dtype), "), got ",
+                     dtype_name(value.dtype));
+}
+
 class QuantizeKVCacheCuda final : public KernelImpl {
  public:
   explicit QuantizeKVCacheCuda(const OrtKernelInfo*) {}
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView key = read_input(ctx, 0), value = read_input(ctx, 1);
-    const InputView slots = read_input(ctx, 2);
-    const InputView kc = read_input(ctx, 3), vc = read_input(ctx, 4);
-    const InputView ks = read_input(ctx, 5), vs = read_input(ctx, 6);
-    require_dtype(kOp, "key", key, {F32, F16});
-    require_dtype(kOp, "value", value, {F32, F16});
-    if (value.dtype != key.dtype)
-      fail_unsupported(kOp, "(CUDA) input 'value' must have the dtype of 'key' (", dtype_name(key.dtype), "), got ",
-                   dtype_name(value.dtype));
-    require_dtype(kOp, "slot_mapping", slots, {I64});
-    require_dtype(kOp, "key_cache", kc, {I8});
-    require_dtype(kOp, "value_cache", vc, {I8});
-    require_dtype(kOp, "key_scale", ks, {F32});
-    require_dtype(kOp, "value_scale", vs, {F32});
-    require_rank(kOp, "key", key, 3);
-    const int64_t T = key.dim(0), H = key.dim(1), D = key.dim(2);
-    require_shape(kOp, "value", value, key.shape);
-    require_shape(kOp, "slot_mapping", slots, {T});
-    require_rank(kOp, "key_cache", kc, 4);
-    const int64_t N = kc.dim(0), B = kc.dim(2);
-    require_shape(kOp, "key_cache", kc, {N, H, B, D});
-    require_shape(kOp, "value_cache", vc, {N, H, D, B});
-    require_shape(kOp, "key_scale", ks, {N, H, B});
-    require_shape(kOp, "value_scale", vs, {N, H, B});
+    const kvc::Inputs in = kvc::read_inputs(ctx);
+    const kvc::Dims dims = kvc::validate_inputs(in, {check_same_float_dtype});
+    const InputView &key = in.key, &value = in.value, &slots = in.slot_mapping, &kc = in.key_cache,
+                    &vc = in.value_cache, &ks = in.key_scale, &vs = in.value_scale;
+    const int64_t T = dims.T, H = dims.H, D = dims.D, N = dims.N, B = dims.B;
     if (D > 512) fail_unsupported(kOp, "(CUDA) head_dim must be <= 512, got ", D);
     if (T * H >= (int64_t{1} << 30)) fail_unsupported(kOp, "(CUDA) T * kv heads must be < 2^30");
 
@@ -75,17 +66,7 @@ class QuantizeKVCacheCuda final : public KernelImpl {
       check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
     }
     const int64_t num_slots = N * B;
-    std::vector<int64_t> live;
-    for (int64_t t = 0; t < T; ++t) {
-      if (slot[t] < 0) continue;
-      if (slot[t] >= num_slots)
-        fail_invalid(kOp, "input 'slot_mapping' must hold slots < ", num_slots,
-                     " (num_blocks * block_size), got slot_mapping[", t, "] = ", slot[t]);
-      live.push_back(slot[t]);
-    }
-    std::sort(live.begin(), live.end());
-    const auto dup = std::adjacent_find(live.begin(), live.end());
-    if (dup != live.end()) fail_invalid(kOp, "input 'slot_mapping' must not repeat a slot, got slot ", *dup, " twice");
+    const int64_t live = kvc::check_slots(slot.data(), dims);
 
     auto* kc_out = make_output<int8_t>(ctx, 0, kc.shape);
     auto* vc_out = make_output<int8_t>(ctx, 1, vc.shape);
@@ -99,7 +80,7 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     copy_unless_same(vc, vc_out, vc.numel);
     copy_unless_same(ks, ks_out, ks.numel * sizeof(float));
     copy_unless_same(vs, vs_out, vs.numel * sizeof(float));
-    if (live.empty() || D == 0) return;
+    if (live == 0 || D == 0) return;
 
     int device = 0;
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");

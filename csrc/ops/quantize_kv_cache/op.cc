@@ -16,7 +16,6 @@
 //   Distinct slots (checked) mean tasks never write the same bytes.
 #include "ops/quantize_kv_cache/op.h"
 
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -25,13 +24,16 @@
 #include "common/parallel.h"
 #include "common/tensor.h"
 #include "ops/dynamic_quant/cpu.h"
+#include "ops/quantize_kv_cache/validate.h"
 
 namespace ort_ops {
 namespace {
 
-constexpr const char* kOp = "QuantizeKVCache";
+namespace kvc = quantize_kv_cache;
+
+using kvc::kOp;
+
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 
@@ -43,44 +45,13 @@ class QuantizeKVCacheCpu final : public KernelImpl {
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView key = read_input(ctx, 0), value = read_input(ctx, 1);
-    const InputView slots = read_input(ctx, 2);
-    const InputView kc = read_input(ctx, 3), vc = read_input(ctx, 4);
-    const InputView ks = read_input(ctx, 5), vs = read_input(ctx, 6);
-    require_dtype(kOp, "key", key, {F32, F16});
-    require_dtype(kOp, "value", value, {F32, F16});
-    require_dtype(kOp, "slot_mapping", slots, {I64});
-    require_dtype(kOp, "key_cache", kc, {I8});
-    require_dtype(kOp, "value_cache", vc, {I8});
-    require_dtype(kOp, "key_scale", ks, {F32});
-    require_dtype(kOp, "value_scale", vs, {F32});
-    require_rank(kOp, "key", key, 3);
-    const int64_t T = key.dim(0), H = key.dim(1), D = key.dim(2);
-    require_shape(kOp, "value", value, key.shape);
-    require_shape(kOp, "slot_mapping", slots, {T});
-    require_rank(kOp, "key_cache", kc, 4);
-    const int64_t N = kc.dim(0), B = kc.dim(2);
-    require_shape(kOp, "key_cache", kc, {N, H, B, D});
-    require_shape(kOp, "value_cache", vc, {N, H, D, B});
-    require_shape(kOp, "key_scale", ks, {N, H, B});
-    require_shape(kOp, "value_scale", vs, {N, H, B});
-
-    // Slots: in range, and the live ones distinct (parallel writers must not collide).
-    const int64_t* slot = slots.ptr<int64_t>();
-    const int64_t num_slots = N * B;
-    std::vector<int64_t> live;
-    live.reserve(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) {
-      if (slot[t] < 0) continue;
-      if (slot[t] >= num_slots)
-        fail_invalid(kOp, "input 'slot_mapping' must hold slots < ", num_slots,
-                     " (num_blocks * block_size), got slot_mapping[", t, "] = ", slot[t]);
-      live.push_back(slot[t]);
-    }
-    std::sort(live.begin(), live.end());
-    const auto dup = std::adjacent_find(live.begin(), live.end());
-    if (dup != live.end())
-      fail_invalid(kOp, "input 'slot_mapping' must not repeat a slot, got slot ", *dup, " twice");
+    const kvc::Inputs in = kvc::read_inputs(ctx);
+    const kvc::Dims dims = kvc::validate_inputs(in, {});
+    const InputView &key = in.key, &value = in.value, &kc = in.key_cache, &vc = in.value_cache,
+                    &ks = in.key_scale, &vs = in.value_scale;
+    const int64_t T = dims.T, H = dims.H, D = dims.D, B = dims.B;
+    const int64_t* slot = in.slot_mapping.ptr<int64_t>();
+    kvc::check_slots(slot, dims);  // in range, live ones distinct: tasks never collide
 
     // Phase 1: quantize into scratch (rows of the skipped tokens stay unused).
     const int64_t rows = T * H;

@@ -1,0 +1,43 @@
+// SPDX-License-Identifier: MIT
+// QuantizeKVCache's input checks, one copy for the CPU op (op.cc) and the CUDA-EP op
+// (cuda_op.cc): dtypes, ranks and shapes of the seven inputs, and the slot rule. What only one
+// device refuses stays in that device's file (DeviceChecks, or after validate_inputs); reading
+// slot_mapping into host memory is the caller's business.
+//
+// Alphabet: T tokens, H kv heads, D head dim, N cache blocks, B block size.
+#pragma once
+
+#include <cstdint>
+
+#include "common/tensor.h"
+
+namespace ort_ops::quantize_kv_cache {
+
+inline constexpr const char* kOp = "QuantizeKVCache";
+
+// The inputs in schema order.
+struct Inputs {
+  InputView key, value, slot_mapping, key_cache, value_cache, key_scale, value_scale;
+};
+
+struct Dims {
+  int64_t T, H, D, N, B;
+};
+
+// A device's refusals of valid inputs, called where the shared checks reach them (so the first
+// error a bad model meets does not depend on which file holds a check); nullptr: none.
+struct DeviceChecks {
+  // After the dtype checks of key and value (both float32 or float16), before slot_mapping's.
+  void (*key_value_dtypes)(const InputView& key, const InputView& value) = nullptr;
+};
+
+Inputs read_inputs(const Ort::KernelContext& ctx);
+
+// Checks every input's dtype, rank and shape; returns the dims.
+Dims validate_inputs(const Inputs& in, const DeviceChecks& device);
+
+// Checks the T slots at `slot` (host memory): each < N * B (a negative one skips its token) and
+// no live slot twice. Returns how many are live.
+int64_t check_slots(const int64_t* slot, const Dims& d);
+
+}  // namespace ort_ops::quantize_kv_cache
