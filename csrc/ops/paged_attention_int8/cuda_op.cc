@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common/tensor.h"
+#include "cuda/ort_cuda.h"
 #include "ops/paged_attention_int8/cuda.cuh"
 #include "ops/paged_attention_int8/validate.h"
 
@@ -31,11 +32,7 @@ constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw OpError(ORT_EP_FAIL, str_cat(kOp, " (CUDA): ", what, " failed: ", cudaGetErrorName(err), " (",
-                                       cudaGetErrorString(err), ")"));
-}
+void check_cuda(cudaError_t err, const char* what) { cuda_util::check_cuda(kOp, err, what); }
 
 // What the kernels of cuda.cu take (cuda.cuh): qk_quant s8 only.
 void check_cuda_attrs(const pa::Attrs& a) {
@@ -51,28 +48,6 @@ void check_cuda_head_dim_and_block_size(int64_t D, int64_t B) {
 
 constexpr pa::DeviceChecks kCudaChecks{check_cuda_attrs, check_cuda_head_dim_and_block_size};
 
-class Scratch {
- public:
-  Scratch(Ort::KernelContext& ctx, size_t bytes) {
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
-    alloc_ = ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(info));
-    if (alloc_ == nullptr) fail_unsupported(kOp, "no CUDA allocator in this session");
-    ptr_ = alloc_->Alloc(alloc_, bytes);
-    if (ptr_ == nullptr) throw OpError(ORT_FAIL, str_cat(kOp, ": could not allocate ", bytes, " bytes of scratch"));
-  }
-  ~Scratch() {
-    if (ptr_) alloc_->Free(alloc_, ptr_);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  char* get() const { return static_cast<char*>(ptr_); }
-
- private:
-  OrtAllocator* alloc_ = nullptr;
-  void* ptr_ = nullptr;
-};
 
 class PagedAttentionInt8Cuda final : public KernelImpl {
  public:
@@ -120,7 +95,7 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
 
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const size_t ws = (paged_attention_workspace_bytes(p) + 255) / 256 * 256;
-    Scratch scratch(ctx, ws + 256);
+    cuda_util::OrtCudaScratch scratch(kOp, ctx, ws + 256);
     p.workspace = ws ? scratch.get() : nullptr;
     p.status = reinterpret_cast<int*>(scratch.get() + ws);
     check_cuda(cudaMemsetAsync(p.status, 0, sizeof(int), stream), "status reset");

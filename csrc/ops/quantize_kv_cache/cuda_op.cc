@@ -12,11 +12,11 @@
 
 #include <cuda_runtime.h>
 
-#include <functional>
 #include <memory>
 #include <vector>
 
 #include "common/tensor.h"
+#include "cuda/ort_cuda.h"
 #include "ops/quantize_kv_cache/cuda.cuh"
 #include "ops/quantize_kv_cache/validate.h"
 
@@ -32,11 +32,7 @@ constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw OpError(ORT_EP_FAIL, str_cat(kOp, " (CUDA): ", what, " failed: ", cudaGetErrorName(err), " (",
-                                       cudaGetErrorString(err), ")"));
-}
+void check_cuda(cudaError_t err, const char* what) { cuda_util::check_cuda(kOp, err, what); }
 
 // The kernel reads key and value as one dtype.
 void check_same_float_dtype(const InputView& key, const InputView& value) {
@@ -82,14 +78,7 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     copy_unless_same(vs, vs_out, vs.numel * sizeof(float));
     if (live == 0 || D == 0) return;
 
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    Ort::MemoryInfo info("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
-    OrtAllocator* alloc = ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(info));
-    if (alloc == nullptr) fail_unsupported(kOp, "no CUDA allocator in this session");
-    std::unique_ptr<void, std::function<void(void*)>> status_buf(alloc->Alloc(alloc, 256),
-                                                                 [alloc](void* q) { alloc->Free(alloc, q); });
-    if (!status_buf) throw OpError(ORT_FAIL, str_cat(kOp, ": could not allocate the status word"));
+    cuda_util::OrtCudaScratch status_buf(kOp, ctx, 256);
 
     QuantizeKvCacheParams p;
     p.key = key.data;
@@ -105,7 +94,7 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     p.head_dim = static_cast<int>(D);
     p.block_size = static_cast<int>(B);
     p.num_slots = num_slots;
-    p.status = static_cast<int*>(status_buf.get());
+    p.status = reinterpret_cast<int*>(status_buf.get());
     check_cuda(cudaMemsetAsync(p.status, 0, sizeof(int), stream), "status reset");
     check_cuda(launch_quantize_kv_cache(p, stream), "kernel launch");
     int status = 0;
