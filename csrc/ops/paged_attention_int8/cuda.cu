@@ -802,7 +802,6 @@ const char* paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.partition_size <= 0 || p.partition_size % 32 != 0) return "partition_size must be a positive multiple of 32";
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return "query heads must be a multiple of kv heads";
   if (p.max_q_len < 1) return "max_q_len must be >= 1";
-  if (p.status == nullptr) return "a status word is required";
   return nullptr;
 }
 
@@ -816,7 +815,9 @@ size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
 }
 
 cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStream_t stream) {
-  if (paged_attention_unsupported(p) != nullptr) return cudaErrorInvalidValue;
+  // The status word is checked here, not in paged_attention_unsupported: the ORT glue asks that
+  // question before it has allocated the word (the first real CUDA-EP session found this).
+  if (paged_attention_unsupported(p) != nullptr || p.status == nullptr) return cudaErrorInvalidValue;
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
   const TileShape ts = tile_shape(p);
   if (ts.nsplit > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
