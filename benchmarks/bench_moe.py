@@ -77,8 +77,8 @@ def stock_moe_model(w, k, op, block=0):
     e, h, n2 = w.w_gate_up.shape
     fc1 = _interleave(w.w_gate_up, n2 // 2)
     fc2 = np.ascontiguousarray(w.w_down.transpose(0, 2, 1))
-    attrs = dict(k=k, normalize_routing_weights=1, activation_type="swiglu", swiglu_fusion=1,
-                 activation_alpha=1.0, activation_beta=0.0, swiglu_limit=3.0e38)
+    attrs = {"k": k, "normalize_routing_weights": 1, "activation_type": "swiglu", "swiglu_fusion": 1,
+                 "activation_alpha": 1.0, "activation_beta": 0.0, "swiglu_limit": 3.0e38}
     if op == "MoE":
         inits, ins = {"fc1": fc1, "fc2": fc2}, ["x", "router_logits", "fc1", "", "fc2"]
     else:
@@ -137,6 +137,21 @@ def plain_onnx_model(w, k):
     return _model(nodes, inits, h, e, [("", 20)])
 
 
+def build(name, w, q, k):
+    """(model, uses our custom ops) for one path of the table."""
+    from ort_ops.ops import moe_layer as ml
+
+    if name == "ours":
+        return ml.build_moe_int8_model(q, k), True
+    if name == "moe_fp32":
+        return stock_moe_model(w, k, "MoE"), False
+    if name == "qmoe8_ch":
+        return stock_moe_model(w, k, "QMoE"), False
+    if name == "qmoe8_b128":
+        return stock_moe_model(w, k, "QMoE", block=128), False
+    return plain_onnx_model(w, k), False
+
+
 def session(model, threads, tmpdir, custom_ops):
     import onnx
     import onnxruntime as ort
@@ -187,13 +202,7 @@ def main(argv=None):
             e, k = (int(v) for v in cfg.split("x"))
             rng = np.random.default_rng(0)
             w = ml.random_moe_weights(rng, HIDDEN, INTER, e)
-            builders = {
-                "ours": lambda: (ml.build_moe_int8_model(ml.quantize_moe_weights(w), k), True),
-                "moe_fp32": lambda: (stock_moe_model(w, k, "MoE"), False),
-                "qmoe8_ch": lambda: (stock_moe_model(w, k, "QMoE"), False),
-                "qmoe8_b128": lambda: (stock_moe_model(w, k, "QMoE", block=128), False),
-                "onnx_fp32": lambda: (plain_onnx_model(w, k), False),
-            }
+            q = ml.quantize_moe_weights(w)
             xs = {t: rng.standard_normal((t, HIDDEN)).astype(np.float32) for t in tokens}
             feeds = {t: {"x": x, "router_logits": (x @ w.router).astype(np.float32)} for t, x in xs.items()}
             check_t = min(tokens, key=lambda t: abs(t - 16))
@@ -203,7 +212,7 @@ def main(argv=None):
                 if name in skip:
                     continue
                 try:
-                    model, custom = builders[name]()
+                    model, custom = build(name, w, q, k)
                     sess = session(model, args.threads, tmpdir, custom)
                     del model
                     got = sess.run(None, feeds[check_t])[0]
@@ -211,7 +220,7 @@ def main(argv=None):
                     for t in tokens:
                         res[(name, t)] = (*time_runs(sess, feeds[t], args.repeats), err)
                     del sess
-                except Exception as ex:  # a path this ORT build does not run: report, go on
+                except Exception as ex:  # noqa: BLE001 - a path this ORT build does not run: report, go on
                     print(f"  {name} E{e} top-{k}: not run ({str(ex).splitlines()[0][:160]})")
                 gc.collect()
             print(f"\nE={e} top-{k}")
@@ -230,10 +239,10 @@ def main(argv=None):
                 for n in PATHS:
                     if (n, t) in res:
                         med, p90, err = res[(n, t)]
-                        rows.append(dict(experts=e, top_k=k, tokens=t, path=n, median_ms=round(med, 3),
-                                         p90_ms=round(p90, 3), rel_l2=round(err, 5),
-                                         best_stock_over_ours=round(ratio, 3) if n == "ours" else ""))
-            del w, builders
+                        rows.append({"experts": e, "top_k": k, "tokens": t, "path": n, "median_ms": round(med, 3),
+                                         "p90_ms": round(p90, 3), "rel_l2": round(err, 5),
+                                         "best_stock_over_ours": round(ratio, 3) if n == "ours" else ""})
+            del w, q
             gc.collect()
     if args.csv:
         with open(args.csv, "w", newline="") as f:

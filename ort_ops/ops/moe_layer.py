@@ -35,8 +35,13 @@ import dataclasses
 
 import numpy as np
 
-from ort_ops.ops import (dynamic_quant, grouped_matmul_dequant, grouped_matmul_swiglu_quant,
-                         moe_finalize_routing, moe_init_routing)
+from ort_ops.ops import (
+    dynamic_quant,
+    grouped_matmul_dequant,
+    grouped_matmul_swiglu_quant,
+    moe_finalize_routing,
+    moe_init_routing,
+)
 from ort_ops.ops._quant import quantize_rows
 
 
@@ -207,7 +212,7 @@ def build_moe_int8_model(q: QuantizedMoeWeights, top_k: int, renormalize: bool =
     else:
         inputs += [helper.make_tensor_value_info("topk_ids", TensorProto.INT32, ["T", top_k]),
                    helper.make_tensor_value_info("topk_weights", TensorProto.FLOAT, ["T", top_k])]
-    d = dict(domain=DOMAIN)
+    d = {"domain": DOMAIN}
     nodes += [
         helper.make_node("MoeInitRouting", ["x", "topk_ids"], ["sorted_x", "sorted_to_flat", "group_list"],
                          num_experts=e, **d),

@@ -63,12 +63,12 @@ def test_empty_m(rng):
 
 
 ERRORS = [
-    (dict(group_list=[3, 2, 5]), r"input 'group_list' must be non-decreasing"),
-    (dict(group_list=[1, 2, 9]), r"input 'group_list' must end at <= 6 \(rows of 'x'\), got 9"),
-    (dict(weight_scale=np.ones((3, 9), np.float32)), r"input 'weight_scale' must have shape \[3, 8\], got \[3, 9\]"),
-    (dict(x_scale=np.ones(7, np.float32)), r"input 'x_scale' must have shape \[6\], got \[7\]"),
-    (dict(x=np.zeros((6, 10), np.int32)), r"input 'x' must be int8, got int32"),
-    (dict(weight=np.zeros((3, 9, 8), np.int8)), r"input 'weight' must have shape \[E, 10, N\]"),
+    ({"group_list": [3, 2, 5]}, r"input 'group_list' must be non-decreasing"),
+    ({"group_list": [1, 2, 9]}, r"input 'group_list' must end at <= 6 \(rows of 'x'\), got 9"),
+    ({"weight_scale": np.ones((3, 9), np.float32)}, r"input 'weight_scale' must have shape \[3, 8\], got \[3, 9\]"),
+    ({"x_scale": np.ones(7, np.float32)}, r"input 'x_scale' must have shape \[6\], got \[7\]"),
+    ({"x": np.zeros((6, 10), np.int32)}, r"input 'x' must be int8, got int32"),
+    ({"weight": np.zeros((3, 9, 8), np.int8)}, r"input 'weight' must have shape \[E, 10, N\]"),
 ]
 
 

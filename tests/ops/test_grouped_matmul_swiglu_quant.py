@@ -29,7 +29,7 @@ def make_inputs(rng, m, k, n, e, *, scale_dtype=np.float32, group_list=None, cod
     xs = rng.uniform(1e-3, 1e-2, m).astype(scale_dtype)
     if group_list is None:  # random cut points: some experts empty, some one row
         group_list = np.sort(rng.integers(0, m + 1, e))
-    return dict(x=x, weight=w, weight_scale=ws, x_scale=xs, group_list=np.asarray(group_list, np.int64))
+    return {"x": x, "weight": w, "weight_scale": ws, "x_scale": xs, "group_list": np.asarray(group_list, np.int64)}
 
 
 def _run(inputs, **attrs):
@@ -39,7 +39,7 @@ def _run(inputs, **attrs):
 def count_ties(inputs, **attrs) -> int:
     """Values of S * (127 / amax) that sit exactly on n + 0.5 (where a different rounding rule
     or a 1-ulp different S would change a code by one)."""
-    s, valid = gmsq.swiglu_rows(**inputs, **attrs)
+    s, _valid = gmsq.swiglu_rows(**inputs, **attrs)
     amax = np.abs(s).max(axis=1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     v = (s * inv).astype(np.float32)
@@ -124,9 +124,9 @@ def test_session_reused_across_shapes(rng):
 
 def test_k_limit_refused():
     k = 131072
-    inputs = dict(x=np.zeros((1, k), np.int8), weight=np.zeros((1, k, 2), np.int8),
-                  weight_scale=np.ones((1, 2), np.float32), x_scale=np.ones(1, np.float32),
-                  group_list=np.array([1], np.int64))
+    inputs = {"x": np.zeros((1, k), np.int8), "weight": np.zeros((1, k, 2), np.int8),
+                  "weight_scale": np.ones((1, 2), np.float32), "x_scale": np.ones(1, np.float32),
+                  "group_list": np.array([1], np.int64)}
     with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: K must be <= 131071 so the int32 accumulator cannot overflow, got 131072"):
         _run(inputs)
     with pytest.raises(ValueError, match="K must be <= 131071"):
@@ -134,23 +134,23 @@ def test_k_limit_refused():
 
 
 ERRORS = [
-    ("decreasing", dict(group_list=[3, 2, 5]), {}, r"input 'group_list' must be non-decreasing and >= 0, got 2 at index 1 after 3"),
-    ("negative", dict(group_list=[-1, 2, 5]), {}, r"input 'group_list' must be non-decreasing and >= 0, got -1 at index 0"),
-    ("past-m", dict(group_list=[1, 2, 9]), {}, r"input 'group_list' must end at <= 6 \(rows of 'x'\), got 9"),
-    ("counts-past-m", dict(group_list=[4, 2, 1]), dict(group_list_type=1), r"input 'group_list' counts must sum to <= 6"),
-    ("negative-count", dict(group_list=[4, -2, 1]), dict(group_list_type=1), r"input 'group_list' must hold counts >= 0, got -2 at index 1"),
-    ("group-list-len", dict(group_list=[1, 6]), {}, r"input 'group_list' must have shape \[3\], got \[2\]"),
-    ("odd-n", dict(weight=np.zeros((3, 10, 7), np.int8), weight_scale=np.ones((3, 7), np.float32)), {},
+    ("decreasing", {"group_list": [3, 2, 5]}, {}, r"input 'group_list' must be non-decreasing and >= 0, got 2 at index 1 after 3"),
+    ("negative", {"group_list": [-1, 2, 5]}, {}, r"input 'group_list' must be non-decreasing and >= 0, got -1 at index 0"),
+    ("past-m", {"group_list": [1, 2, 9]}, {}, r"input 'group_list' must end at <= 6 \(rows of 'x'\), got 9"),
+    ("counts-past-m", {"group_list": [4, 2, 1]}, {"group_list_type": 1}, r"input 'group_list' counts must sum to <= 6"),
+    ("negative-count", {"group_list": [4, -2, 1]}, {"group_list_type": 1}, r"input 'group_list' must hold counts >= 0, got -2 at index 1"),
+    ("group-list-len", {"group_list": [1, 6]}, {}, r"input 'group_list' must have shape \[3\], got \[2\]"),
+    ("odd-n", {"weight": np.zeros((3, 10, 7), np.int8), "weight_scale": np.ones((3, 7), np.float32)}, {},
      r"input 'weight' must have an even N \(last dim\), got 7"),
-    ("k-mismatch", dict(weight=np.zeros((3, 11, 8), np.int8)), {}, r"input 'weight' must have shape \[E, 10, N\] \(K of 'x'\), got \[3, 11, 8\]"),
-    ("weight-scale-shape", dict(weight_scale=np.ones((3, 7), np.float32)), {}, r"input 'weight_scale' must have shape \[3, 8\], got \[3, 7\]"),
-    ("x-scale-shape", dict(x_scale=np.ones(5, np.float32)), {}, r"input 'x_scale' must have shape \[6\], got \[5\]"),
-    ("x-dtype", dict(x=np.zeros((6, 10), np.float32)), {}, r"input 'x' must be int8, got float32"),
-    ("weight-dtype", dict(weight=np.zeros((3, 10, 8), np.uint8)), {}, r"input 'weight' must be int8, got uint8"),
-    ("scale-dtype", dict(x_scale=np.ones(6, np.float64)), {}, r"input 'x_scale' must be float32 or float16, got float64"),
-    ("group-list-dtype", dict(group_list=np.array([1, 2, 3], np.int32)), {}, r"input 'group_list' must be int64, got int32"),
-    ("x-rank", dict(x=np.zeros((6, 10, 1), np.int8)), {}, r"input 'x' must have rank 2"),
-    ("group-list-type", {}, dict(group_list_type=2), r"attribute 'group_list_type' must be 0 \(cumulative\) or 1 \(counts\), got 2"),
+    ("k-mismatch", {"weight": np.zeros((3, 11, 8), np.int8)}, {}, r"input 'weight' must have shape \[E, 10, N\] \(K of 'x'\), got \[3, 11, 8\]"),
+    ("weight-scale-shape", {"weight_scale": np.ones((3, 7), np.float32)}, {}, r"input 'weight_scale' must have shape \[3, 8\], got \[3, 7\]"),
+    ("x-scale-shape", {"x_scale": np.ones(5, np.float32)}, {}, r"input 'x_scale' must have shape \[6\], got \[5\]"),
+    ("x-dtype", {"x": np.zeros((6, 10), np.float32)}, {}, r"input 'x' must be int8, got float32"),
+    ("weight-dtype", {"weight": np.zeros((3, 10, 8), np.uint8)}, {}, r"input 'weight' must be int8, got uint8"),
+    ("scale-dtype", {"x_scale": np.ones(6, np.float64)}, {}, r"input 'x_scale' must be float32 or float16, got float64"),
+    ("group-list-dtype", {"group_list": np.array([1, 2, 3], np.int32)}, {}, r"input 'group_list' must be int64, got int32"),
+    ("x-rank", {"x": np.zeros((6, 10, 1), np.int8)}, {}, r"input 'x' must have rank 2"),
+    ("group-list-type", {}, {"group_list_type": 2}, r"attribute 'group_list_type' must be 0 \(cumulative\) or 1 \(counts\), got 2"),
 ]
 
 
@@ -192,9 +192,9 @@ def test_rounding_ties_round_half_to_even(cpu_isa):
     a = np.array([127, 63.5, 62.5, 20.5, 21.5, 63.5, 100.5, 17.5], np.float32)
     g = np.array([1, 1, 1, 1, 1, -1, -1, 1], np.float32)
     h = a.size
-    inputs = dict(x=np.ones((1, 1), np.int8), weight=np.ones((1, 1, 2 * h), np.int8),
-                  weight_scale=np.concatenate([a, g])[None, :].astype(np.float32),
-                  x_scale=np.ones(1, np.float32), group_list=np.array([1], np.int64))
+    inputs = {"x": np.ones((1, 1), np.int8), "weight": np.ones((1, 1, 2 * h), np.int8),
+                  "weight_scale": np.concatenate([a, g])[None, :].astype(np.float32),
+                  "x_scale": np.ones(1, np.float32), "group_list": np.array([1], np.int64)}
     assert count_ties(inputs) == 7
     y, ys, _ = _run(inputs)
     np.testing.assert_array_equal(y[0], [127, 64, 62, 20, 22, -64, -100, 18])

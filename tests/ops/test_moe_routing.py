@@ -60,7 +60,7 @@ def test_init_routing_is_stable_with_repeats(rng):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-H{}-K{}-E{}".format(*c))
 def test_finalize_routing_matches_reference(rng, case, residual, dtype):
-    m, h, k, e = case
+    m, h, k, _e = case
     eo = rng.standard_normal((m * k, h)).astype(dtype)
     s2f = rng.permutation(m * k).astype(np.int32)
     w = rng.uniform(0, 1, (m, k)).astype(dtype)
