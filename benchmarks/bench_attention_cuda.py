@@ -10,11 +10,25 @@ Decode: batch 1 and 32, 32 query / 8 kv heads, head_dim 128, context 4k / 8k / 1
     against the measured copy ceiling 4.28 TB/s (../shared/GPU.md).
 Prefill with history: 512 new queries on 4k / 8k / 16k of history, batch 1 (INT8 P.V vs its
     float twin: where the matrix units, not memory, bound the kernel).
+Peers in the same decode run, each optional (skipped with a printed reason where its package or
+    the CUDA EP is missing):
+    - FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, NHD pages of --block tokens,
+      scattered pages), bf16 query on a bf16 cache and on an fp8 e4m3 cache (GPU time, as above);
+    - ORT's own com.microsoft GroupQueryAttention on the CUDA EP (onnxruntime-gpu) with its INT8
+      KV cache (k/v_quant_type PER_TENSOR, kv_cache_bit_width 8, one fp32 scale shared by K and V,
+      as its XQA decode path needs), fp16 query, past and present sharing one BNSH buffer of
+      `context` tokens, one new token appended per call;
+    - ours as an ORT session too (PagedAttentionInt8 from the library on the CUDA EP, --ort-pv),
+      so that the two ORT rows compare session against session: both are wall time of
+      `run_with_iobinding` on device-bound inputs and outputs (L2 flushed before each call), which
+      includes ORT's per-Run overhead (about 45 us, ../shared/GPU.md).
 One correctness check per configuration before timing: ours against float32 attention on the
-dequantized cache (torch), relative L2 error.
+dequantized cache (torch), relative L2 error; ORT GQA against float32 attention on its own
+dequantized cache after the call (first sequence).
 
 Usage: python benchmarks/bench_attention_cuda.py [--batch 1 32] [--context 4096 8192 16384]
-       [--csv PATH] [--splits 0 8 16] [--no-prefill]
+       [--csv PATH] [--splits 0 8 16] [--no-prefill] [--peers flashinfer ort-gqa ours-ort]
+       [--warmup-peers]   (only JIT-compile FlashInfer's modules, small shapes, then exit)
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import csv
 import math
 import statistics
 import sys
+import time
 
 import torch
 
@@ -53,6 +68,179 @@ def time_gpu(fn, iters: int, flush) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0)
     return times
+
+
+def time_wall(fn, iters: int, flush) -> list[float]:
+    """Microseconds of wall time per call (host call to device idle), L2 flushed before each."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def peer_reasons(peers) -> dict[str, str]:
+    """Why each requested peer cannot run here ('' when it can)."""
+    why = {}
+    if "flashinfer" in peers:
+        try:
+            import flashinfer  # noqa: F401
+
+            why["flashinfer"] = ""
+        except Exception as e:  # noqa: BLE001
+            why["flashinfer"] = f"flashinfer not importable ({type(e).__name__}: {e})"
+    if "ort-gqa" in peers or "ours-ort" in peers:
+        try:
+            import onnxruntime as ort
+
+            eps = ort.get_available_providers()
+            r = "" if "CUDAExecutionProvider" in eps else (
+                f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
+        except Exception as e:  # noqa: BLE001
+            r = f"onnxruntime not importable ({type(e).__name__}: {e})"
+        for p in ("ort-gqa", "ours-ort"):
+            if p in peers:
+                why[p] = r
+    return why
+
+
+def _row(impl, batch, ctx, t, nbytes, rel="", splits="", status=""):
+    med = statistics.median(t)
+    return {"mode": "decode", "impl": impl, "batch": batch, "context": ctx, "splits": splits, "median_us": med,
+            "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": nbytes / med / 1e6,
+            "frac_copy": nbytes / med / 1e6 / COPY_CEILING_TBS, "rel_l2_vs_dequant": rel, "status": status}
+
+
+def _bind(io, name, t, cpu=False):
+    import numpy as np
+
+    dt = {torch.float16: np.float16, torch.float32: np.float32, torch.int8: np.int8, torch.int32: np.int32,
+          torch.bfloat16: None}[t.dtype]
+    if cpu:
+        io.bind_cpu_input(name, t.cpu().numpy())
+    else:
+        io.bind_input(name, "cuda", 0, dt, list(t.shape), t.data_ptr())
+
+
+def ours_ort_session(tensors, pv, iters, flush):
+    """PagedAttentionInt8 as a one-node ORT session on the CUDA EP, inputs and output bound to the
+    given device tensors; wall time of run_with_iobinding."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from ort_ops._lib import session_options
+    from ort_ops.ops import paged_attention_int8 as pa_mod
+    from ort_ops.ops._schema import single_op_model
+
+    np_dt = {torch.float16: np.float16, torch.float32: np.float32, torch.int8: np.int8, torch.int32: np.int32}
+    shapes = {k: np.broadcast_to(np.zeros((), np_dt[v.dtype]), tuple(v.shape)) for k, v in tensors.items()}
+    model = single_op_model(pa_mod.SCHEMA, shapes, output_dtypes={"output": np.float16}, pv_quant=pv)
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(),
+                                providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    q = tensors["query"]
+    out = torch.empty_like(q)
+    io = sess.io_binding()
+    for k, v in tensors.items():
+        _bind(io, k, v)
+    io.bind_output("output", "cuda", 0, np.float16, list(out.shape), out.data_ptr())
+
+    def run():
+        sess.run_with_iobinding(io)
+
+    run()
+    torch.cuda.synchronize()
+    return out, time_wall(run, iters, flush)
+
+
+def ort_gqa_int8(batch, ctx, hq, hkv, d, iters, flush, gen):
+    """ORT's com.microsoft GroupQueryAttention, INT8 KV cache (per-tensor scale shared by K and V),
+    decode of one new token onto `ctx - 1` cached ones, past and present sharing one buffer."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    f16, i8, i32, f32 = TensorProto.FLOAT16, TensorProto.INT8, TensorProto.INT32, TensorProto.FLOAT
+    vi = helper.make_tensor_value_info
+    cache = [batch, hkv, ctx, d]
+    inputs = [vi("query", f16, [batch, 1, hq * d]), vi("key", f16, [batch, 1, hkv * d]),
+              vi("value", f16, [batch, 1, hkv * d]), vi("past_key", i8, cache), vi("past_value", i8, cache),
+              vi("seqlens_k", i32, [batch]), vi("total_sequence_length", i32, [1]), vi("kv_scale", f32, [1])]
+    outputs = [vi("output", f16, [batch, 1, hq * d]), vi("present_key", i8, cache), vi("present_value", i8, cache)]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length",
+         "", "", "", "", "", "kv_scale", "kv_scale"],
+        ["output", "present_key", "present_value"], domain="com.microsoft",
+        num_heads=hq, kv_num_heads=hkv, k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8)
+    model = helper.make_model(helper.make_graph([node], "gqa_int8", inputs, outputs), ir_version=9,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    so = ort.SessionOptions()
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    scale_v = 0.02
+    q = torch.randn((batch, 1, hq * d), device="cuda", generator=gen).half()
+    k = torch.randn((batch, 1, hkv * d), device="cuda", generator=gen).half()
+    v = torch.randn((batch, 1, hkv * d), device="cuda", generator=gen).half()
+    pk = torch.randint(-127, 128, cache, dtype=torch.int8, device="cuda", generator=gen)
+    pv = torch.randint(-127, 128, cache, dtype=torch.int8, device="cuda", generator=gen)
+    seqlens = torch.full((batch,), ctx - 1, dtype=torch.int32, device="cuda")
+    scale = torch.full((1,), scale_v, dtype=torch.float32, device="cuda")
+    out = torch.empty((batch, 1, hq * d), dtype=torch.float16, device="cuda")
+    io = sess.io_binding()
+    for name, t in (("query", q), ("key", k), ("value", v), ("past_key", pk), ("past_value", pv),
+                    ("seqlens_k", seqlens), ("kv_scale", scale)):
+        _bind(io, name, t)
+    io.bind_cpu_input("total_sequence_length", np.array([ctx], dtype=np.int32))
+    io.bind_output("output", "cuda", 0, np.float16, list(out.shape), out.data_ptr())
+    io.bind_output("present_key", "cuda", 0, np.int8, cache, pk.data_ptr())
+    io.bind_output("present_value", "cuda", 0, np.int8, cache, pv.data_ptr())
+
+    def run():
+        sess.run_with_iobinding(io)
+
+    run()
+    torch.cuda.synchronize()
+    # float32 attention over the first sequence's dequantized cache (the new token now appended).
+    g = hq // hkv
+    kk = (pk[0].float() * scale_v).repeat_interleave(g, dim=0)           # [Hq, ctx, D]
+    vv = (pv[0].float() * scale_v).repeat_interleave(g, dim=0)
+    qs = q[0, 0].float().view(hq, 1, d)
+    ref = torch.softmax(qs @ kk.transpose(1, 2) / math.sqrt(d), dim=-1) @ vv  # [Hq, 1, D]
+    rel = float((out[0, 0].float().view(hq, 1, d) - ref).norm() / ref.norm())
+    t = time_wall(run, iters, flush)
+    return t, rel
+
+
+def flashinfer_decode(batch, ctx, hq, hkv, d, page, kv_dtype, iters, flush, gen, workspace):
+    """FlashInfer paged decode (tensor cores), bf16 query, NHD pages of `page` tokens, scattered."""
+    import flashinfer
+
+    npg = -(-ctx // page)
+    total = batch * npg
+    n = total + 7
+    indices = torch.randperm(n, device="cuda", generator=gen)[:total].to(torch.int32)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * npg
+    last = torch.full((batch,), ctx - (npg - 1) * page, dtype=torch.int32, device="cuda")
+    cache = torch.randn((n, 2, page, hkv, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+    if kv_dtype != torch.bfloat16:
+        cache = cache.to(kv_dtype)
+    q = torch.randn((batch, hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, hq, hkv, d, page, pos_encoding_mode="NONE",
+           q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+
+    def run():
+        return w.run(q, cache)
+
+    run()
+    torch.cuda.synchronize()
+    return time_gpu(run, iters, flush)
 
 
 def make_paged_cache(batch, context, hkv, d, block, gen):
@@ -97,6 +285,12 @@ def dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, scale, seqs):
 def bench_decode(args, writer, flush, gen):
     hq, hkv, d = args.hq, args.hkv, args.head_dim
     rows = []
+    peers = set(args.peers)
+    why = peer_reasons(peers)
+    for p in sorted(peers):
+        print(f"peer {p}: " + (f"skipped: {why[p]}" if why.get(p) else "runs"), file=sys.stderr, flush=True)
+    workspace = (torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+                 if "flashinfer" in peers and not why.get("flashinfer") else None)
     for batch in args.batch:
         for ctx in args.context:
             kc, vc, ks, vs, tables, lens = make_paged_cache(batch, ctx, hkv, d, args.block, gen)
@@ -118,6 +312,20 @@ def bench_decode(args, writer, flush, gen):
                                      "tb_s": kv_bytes / med / 1e6, "frac_copy": kv_bytes / med / 1e6 / COPY_CEILING_TBS,
                                      "rel_l2_vs_dequant": rel, "status": st})
                     writer(rows[-1])
+            if "ours-ort" in peers:
+                for pv in args.ort_pv:
+                    if why.get("ours-ort"):
+                        break
+                    try:
+                        tensors = {"query": q, "key_cache": kc, "value_cache": vc, "key_scale": ks,
+                                   "value_scale": vs, "block_tables": tables, "seq_lens": lens}
+                        out, t = ours_ort_session(tensors, pv, args.iters, flush)
+                        rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
+                        rows.append(_row(f"ours-{pv}-ort-session", batch, ctx, t, kv_bytes, rel))
+                        writer(rows[-1])
+                    except Exception as e:  # noqa: BLE001
+                        print(f"ours ORT session pv {pv} batch {batch} ctx {ctx}: {type(e).__name__}: {e}",
+                              file=sys.stderr, flush=True)
             del kc, vc, ks, vs
             # torch SDPA bf16, cuDNN backend, native GQA, contiguous K/V.
             try:
@@ -141,6 +349,25 @@ def bench_decode(args, writer, flush, gen):
             except Exception as e:  # noqa: BLE001  (report and go on: a peer missing is not our failure)
                 print(f"sdpa cudnn bf16 batch {batch} ctx {ctx}: {type(e).__name__}: {e}", file=sys.stderr)
             torch.cuda.empty_cache()
+            if "flashinfer" in peers and not why.get("flashinfer"):
+                for kv_dtype, impl, elem in ((torch.bfloat16, "flashinfer-bf16", 2),
+                                             (torch.float8_e4m3fn, "flashinfer-fp8", 1)):
+                    try:
+                        t = flashinfer_decode(batch, ctx, hq, hkv, d, args.block, kv_dtype, args.iters, flush,
+                                              gen, workspace)
+                        rows.append(_row(impl, batch, ctx, t, batch * ctx * hkv * d * 2 * elem))
+                        writer(rows[-1])
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{impl} batch {batch} ctx {ctx}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    torch.cuda.empty_cache()
+            if "ort-gqa" in peers and not why.get("ort-gqa"):
+                try:
+                    t, rel = ort_gqa_int8(batch, ctx, hq, hkv, d, args.iters, flush, gen)
+                    rows.append(_row("ort-gqa-int8-session", batch, ctx, t, batch * ctx * hkv * d * 2, rel))
+                    writer(rows[-1])
+                except Exception as e:  # noqa: BLE001
+                    print(f"ORT GQA int8 batch {batch} ctx {ctx}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -188,7 +415,21 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--peers", nargs="*", default=["flashinfer", "ort-gqa", "ours-ort"],
+                    help="optional peers besides cuDNN SDPA: flashinfer, ort-gqa, ours-ort")
+    ap.add_argument("--ort-pv", nargs="*", default=["s8"], help="pv_quant of ours as an ORT session")
+    ap.add_argument("--warmup-peers", action="store_true",
+                    help="only JIT-compile FlashInfer's decode modules (bf16 and fp8 cache) on small shapes")
     args = ap.parse_args(argv)
+    if args.warmup_peers:
+        gen = torch.Generator(device="cuda")
+        ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        flush = _flush_buffer()
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            t0 = time.perf_counter()
+            flashinfer_decode(1, 1024, args.hq, args.hkv, args.head_dim, args.block, kv_dtype, 3, flush, gen, ws)
+            print(f"flashinfer {kv_dtype} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        return 0
     why = _cuda.cuda_unavailable_reason()
     if why:
         print(f"bench_attention_cuda: {why}", file=sys.stderr)
