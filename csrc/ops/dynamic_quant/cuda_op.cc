@@ -10,13 +10,13 @@
 #include "common/tensor.h"
 #include "cuda/ort_cuda.h"
 #include "ops/dynamic_quant/cuda.cuh"
+#include "ops/dynamic_quant/validate.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
 
 namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "DynamicQuant";
-constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 using cuda_util::check_cuda;
 
@@ -25,21 +25,13 @@ class DynamicQuantCuda final : public KernelImpl {
   explicit DynamicQuantCuda(const OrtKernelInfo*) {}
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView x = read_input(ctx, 0);
-    const InputView smooth = read_input(ctx, 1);
-    require_present(kOp, "x", x);
-    require_dtype(kOp, "x", x, {F32, F16});
-    if (x.rank() < 1) fail_invalid(kOp, "input 'x' must have rank >= 1, got a scalar (rank 0)");
-    const int64_t k = x.dim(-1);
-    if (smooth.present) {
-      require_dtype(kOp, "smooth_scale", smooth, {F32, F16});
-      require_shape(kOp, "smooth_scale", smooth, {k});
-    }
-    std::vector<int64_t> scale_shape(x.shape.begin(), x.shape.end() - 1);
+    const dynamic_quant::Inputs in = dynamic_quant::read_inputs(ctx);
+    const InputView &x = in.x, &smooth = in.smooth_scale;
+    const dynamic_quant::Dims d = dynamic_quant::validate_inputs(in);
+    const int64_t k = d.K, rows = d.rows;
+    const std::vector<int64_t>& scale_shape = d.scale_shape;
     int8_t* y = make_output<int8_t>(ctx, 0, x.shape);
     float* scale = make_output<float>(ctx, 1, scale_shape);
-    int64_t rows = 1;
-    for (int64_t d : scale_shape) rows *= d;
     if (rows == 0) return;
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const bool half_smooth = smooth.present && smooth.dtype == F16;

@@ -12,6 +12,7 @@
 #include "common/parallel.h"
 #include "common/tensor.h"
 #include "ops/dynamic_quant/cpu.h"
+#include "ops/dynamic_quant/validate.h"
 
 namespace ort_ops {
 namespace {
@@ -28,27 +29,21 @@ class DynamicQuantCpu final : public KernelImpl {
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView x = read_input(ctx, 0);
-    const InputView smooth = read_input(ctx, 1);
-    require_present(kOp, "x", x);
-    require_dtype(kOp, "x", x, {F32, F16});
-    if (x.rank() < 1) fail_invalid(kOp, "input 'x' must have rank >= 1, got a scalar (rank 0)");
-    const int64_t k = x.dim(-1);
+    const dynamic_quant::Inputs in = dynamic_quant::read_inputs(ctx);
+    const InputView &x = in.x, &smooth = in.smooth_scale;
+    const dynamic_quant::Dims d = dynamic_quant::validate_inputs(in);
+    const int64_t k = d.K, rows = d.rows;
+    const std::vector<int64_t>& scale_shape = d.scale_shape;
     std::vector<float> smooth_f32;
     if (smooth.present) {
-      require_dtype(kOp, "smooth_scale", smooth, {F32, F16});
-      require_shape(kOp, "smooth_scale", smooth, {k});
       smooth_f32.resize(k);
       if (smooth.dtype == F32)
         std::copy(smooth.ptr<float>(), smooth.ptr<float>() + k, smooth_f32.begin());
       else
         half_to_float_(smooth.ptr<uint16_t>(), smooth_f32.data(), k);
     }
-    std::vector<int64_t> scale_shape(x.shape.begin(), x.shape.end() - 1);
     int8_t* y = make_output<int8_t>(ctx, 0, x.shape);
     float* scale = make_output<float>(ctx, 1, scale_shape);
-    int64_t rows = 1;
-    for (int64_t d : scale_shape) rows *= d;
     if (rows == 0) return;
     if (k == 0) {  // empty rows: amax 0 by the contract
       std::fill(scale, scale + rows, 0.0f);

@@ -8,12 +8,11 @@
 #include "common/convert.h"
 #include "common/parallel.h"
 #include "common/status.h"
+#include "ops/grouped_matmul/validate.h"
 
 namespace ort_ops::grouped_matmul {
 namespace {
 
-constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 
@@ -31,35 +30,21 @@ const float* as_f32(const InputView& t, std::vector<float>& storage) {
 }  // namespace
 
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n) {
-  const InputView x = read_input(ctx, 0), w = read_input(ctx, 1), ws = read_input(ctx, 2),
-                  xs = read_input(ctx, 3), gl = read_input(ctx, 4);
-  require_present(op, "x", x);
-  require_present(op, "weight", w);
-  require_present(op, "weight_scale", ws);
-  require_present(op, "x_scale", xs);
-  require_present(op, "group_list", gl);
-  require_dtype(op, "x", x, {I8});
-  require_rank(op, "x", x, 2);
-  require_dtype(op, "weight", w, {I8});
-  require_rank(op, "weight", w, 3);
+  const Inputs in = read_inputs(ctx);
+  const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
+                  &gl = in.group_list;
+  DeviceChecks cpu;
+  cpu.after_weight = [](const char* op, const Dims& d) {
+    if (d.k > kMaxK)
+      fail_unsupported(op, "K must be <= ", kMaxK, " so the int32 accumulator cannot overflow, got ",
+                       d.k);
+  };
+  const Dims d = validate_inputs(op, in, even_n, cpu);
   Problem p;
-  p.m = x.dim(0);
-  p.k = x.dim(1);
-  p.e = w.dim(0);
-  p.n = w.dim(2);
-  if (w.dim(1) != p.k)
-    fail_invalid(op, "input 'weight' must have shape [E, ", p.k, ", N] (K of 'x'), got ",
-                 shape_str(w.shape));
-  if (even_n && p.n % 2 != 0)
-    fail_invalid(op, "input 'weight' must have an even N (last dim), got ", p.n);
-  if (p.k > kMaxK)
-    fail_unsupported(op, "K must be <= ", kMaxK, " so the int32 accumulator cannot overflow, got ", p.k);
-  require_dtype(op, "weight_scale", ws, {F32, F16});
-  require_shape(op, "weight_scale", ws, {p.e, p.n});
-  require_dtype(op, "x_scale", xs, {F32, F16});
-  require_shape(op, "x_scale", xs, {p.m});
-  require_dtype(op, "group_list", gl, {I64});
-  require_shape(op, "group_list", gl, {p.e});
+  p.m = d.m;
+  p.k = d.k;
+  p.e = d.e;
+  p.n = d.n;
   if (group_list_type != 0 && group_list_type != 1)
     fail_invalid(op, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
                  group_list_type);

@@ -18,6 +18,7 @@
 
 #include "common/tensor.h"
 #include "cuda/ort_cuda.h"
+#include "ops/grouped_matmul/validate.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
 
 namespace ort_ops::gmsq_cuda {
@@ -29,33 +30,12 @@ using cuda_util::OrtCudaScratch;
 // (outputs y int8 [M, N/2], y_scale, y_offset), else GroupedMatmulDequant (y float32 [M, N]).
 inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
                            bool swiglu) {
-  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-  constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-  const InputView x = read_input(ctx, 0), w = read_input(ctx, 1), ws = read_input(ctx, 2),
-                  xs = read_input(ctx, 3), gl = read_input(ctx, 4);
-  require_present(op, "x", x);
-  require_present(op, "weight", w);
-  require_present(op, "weight_scale", ws);
-  require_present(op, "x_scale", xs);
-  require_present(op, "group_list", gl);
-  require_dtype(op, "x", x, {I8});
-  require_rank(op, "x", x, 2);
-  require_dtype(op, "weight", w, {I8});
-  require_rank(op, "weight", w, 3);
-  const int64_t m = x.dim(0), k = x.dim(1), e = w.dim(0), n = w.dim(2);
-  if (w.dim(1) != k)
-    fail_invalid(op, "input 'weight' must have shape [E, ", k, ", N] (K of 'x'), got ",
-                 shape_str(w.shape));
-  if (swiglu && n % 2 != 0)
-    fail_invalid(op, "input 'weight' must have an even N (last dim), got ", n);
-  require_dtype(op, "weight_scale", ws, {F32, F16});
-  require_shape(op, "weight_scale", ws, {e, n});
-  require_dtype(op, "x_scale", xs, {F32, F16});
-  require_shape(op, "x_scale", xs, {m});
-  require_dtype(op, "group_list", gl, {I64});
-  require_shape(op, "group_list", gl, {e});
+  const grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
+  const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
+                  &gl = in.group_list;
+  const grouped_matmul::Dims d = grouped_matmul::validate_inputs(op, in, swiglu, {});
+  const int64_t m = d.m, k = d.k, e = d.e, n = d.n;
   // The kernel's needs: exact int32 sums, 16-byte rows of x and weight, the second column half
   // starting at N/2 on a 16-byte boundary.
   if (k > 131071)

@@ -13,6 +13,7 @@
 #include "common/cpu_features.h"
 #include "common/parallel.h"
 #include "common/tensor.h"
+#include "ops/moe_finalize_routing/validate.h"
 
 namespace ort_ops {
 namespace {
@@ -20,7 +21,6 @@ namespace {
 constexpr const char* kOp = "MoeFinalizeRouting";
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 
 // Row r of a float32/float16 tensor as float32 (a pointer into t, or converted into tmp).
 inline const float* row_f32(const InputView& t, int64_t r, int64_t h, float* tmp, HalfToFloatFn cvt) {
@@ -34,24 +34,11 @@ class MoeFinalizeRoutingCpu final : public KernelImpl {
   explicit MoeFinalizeRoutingCpu(const OrtKernelInfo*) : half_to_float_(half_to_float_fn(selected_isa(kOp))) {}
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView eo = read_input(ctx, 0), s2f = read_input(ctx, 1), tw = read_input(ctx, 2),
-                    res = read_input(ctx, 3);
-    require_present(kOp, "expert_out", eo);
-    require_present(kOp, "sorted_to_flat", s2f);
-    require_present(kOp, "topk_weights", tw);
-    require_dtype(kOp, "topk_weights", tw, {F32, F16});
-    require_rank(kOp, "topk_weights", tw, 2);
-    const int64_t m = tw.dim(0), k = tw.dim(1), total = m * k;
-    require_dtype(kOp, "expert_out", eo, {F32, F16});
-    require_rank(kOp, "expert_out", eo, 2);
-    const int64_t h = eo.dim(1);
-    require_shape(kOp, "expert_out", eo, {total, h});
-    require_dtype(kOp, "sorted_to_flat", s2f, {I32});
-    require_shape(kOp, "sorted_to_flat", s2f, {total});
-    if (res.present) {
-      require_dtype(kOp, "residual", res, {F32, F16});
-      require_shape(kOp, "residual", res, {m, h});
-    }
+    const moe_finalize_routing::Inputs in = moe_finalize_routing::read_inputs(ctx);
+    const InputView &eo = in.expert_out, &s2f = in.sorted_to_flat, &tw = in.topk_weights,
+                    &res = in.residual;
+    const moe_finalize_routing::Dims d = moe_finalize_routing::validate_inputs(in);
+    const int64_t m = d.M, k = d.K, h = d.H, total = d.total;
     // Inverse permutation; a repeated or out-of-range entry would read a wrong row.
     const int32_t* perm = s2f.ptr<int32_t>();
     std::vector<int64_t> row_of(static_cast<size_t>(total), -1);

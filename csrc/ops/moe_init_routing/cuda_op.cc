@@ -12,42 +12,29 @@
 #include "common/tensor.h"
 #include "cuda/ort_cuda.h"
 #include "ops/moe_init_routing/cuda.cuh"
+#include "ops/moe_init_routing/validate.h"
 
 namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "MoeInitRouting";
-constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 using cuda_util::check_cuda;
 
 class MoeInitRoutingCuda final : public KernelImpl {
  public:
   explicit MoeInitRoutingCuda(const OrtKernelInfo* info)
-      : num_experts_(attr_int(info, "num_experts", -1)) {
-    if (num_experts_ < 1)
-      fail_invalid(kOp, "attribute 'num_experts' must be given and >= 1, got ", num_experts_);
+      : num_experts_(moe_init_routing::read_num_experts(info)) {
     if (num_experts_ > INT32_MAX)
       fail_unsupported(kOp, "attribute 'num_experts' must be <= ", INT32_MAX, " on the CUDA EP, got ",
                        num_experts_);
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView x = read_input(ctx, 0), ids = read_input(ctx, 1);
-    require_present(kOp, "x", x);
-    require_present(kOp, "expert_ids", ids);
-    require_dtype(kOp, "x", x, {F32, F16});
-    require_rank(kOp, "x", x, 2);
-    require_dtype(kOp, "expert_ids", ids, {I32});
-    require_rank(kOp, "expert_ids", ids, 2);
-    const int64_t m = x.dim(0), h = x.dim(1), k = ids.dim(1);
-    if (ids.dim(0) != m)
-      fail_invalid(kOp, "input 'expert_ids' must have shape [", m, ", K] (rows of 'x'), got ",
-                   shape_str(ids.shape));
-    const int64_t total = m * k;
-    if (total > INT32_MAX)
-      fail_unsupported(kOp, "M * K must be <= ", INT32_MAX, " (sorted_to_flat is int32), got ", total);
+    const moe_init_routing::Inputs in = moe_init_routing::read_inputs(ctx);
+    const InputView &x = in.x, &ids = in.expert_ids;
+    const moe_init_routing::Dims d = moe_init_routing::validate_inputs(in);
+    const int64_t m = d.M, h = d.H, k = d.K, total = d.total;
     void* sorted_x = make_output_raw(ctx, 0, {total, h});
     int32_t* s2f = make_output<int32_t>(ctx, 1, {total});
     int64_t* group_list = make_output<int64_t>(ctx, 2, {num_experts_});
@@ -67,10 +54,7 @@ class MoeInitRoutingCuda final : public KernelImpl {
       std::vector<int32_t> id(static_cast<size_t>(total));
       check_cuda(kOp, cudaMemcpy(id.data(), ids.data, 4 * id.size(), cudaMemcpyDeviceToHost),
                  "expert_ids copy");
-      for (int64_t f = 0; f < total; ++f)
-        if (id[f] < 0 || id[f] >= num_experts_)
-          fail_invalid(kOp, "input 'expert_ids' must be in [0, ", num_experts_, "), got ", id[f],
-                       " at token ", f / k, ", slot ", f % k);
+      moe_init_routing::check_expert_ids(id.data(), d, num_experts_);
     }
   }
 

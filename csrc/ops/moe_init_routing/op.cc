@@ -14,45 +14,28 @@
 
 #include "common/parallel.h"
 #include "common/tensor.h"
+#include "ops/moe_init_routing/validate.h"
 
 namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "MoeInitRouting";
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 
 class MoeInitRoutingCpu final : public KernelImpl {
  public:
-  explicit MoeInitRoutingCpu(const OrtKernelInfo* info) : num_experts_(attr_int(info, "num_experts", -1)) {
-    if (num_experts_ < 1)
-      fail_invalid(kOp, "attribute 'num_experts' must be given and >= 1, got ", num_experts_);
-  }
+  explicit MoeInitRoutingCpu(const OrtKernelInfo* info)
+      : num_experts_(moe_init_routing::read_num_experts(info)) {}
 
   void compute(Ort::KernelContext& ctx) override {
-    const InputView x = read_input(ctx, 0), ids = read_input(ctx, 1);
-    require_present(kOp, "x", x);
-    require_present(kOp, "expert_ids", ids);
-    require_dtype(kOp, "x", x, {F32, F16});
-    require_rank(kOp, "x", x, 2);
-    require_dtype(kOp, "expert_ids", ids, {I32});
-    require_rank(kOp, "expert_ids", ids, 2);
-    const int64_t m = x.dim(0), h = x.dim(1), k = ids.dim(1);
-    if (ids.dim(0) != m)
-      fail_invalid(kOp, "input 'expert_ids' must have shape [", m, ", K] (rows of 'x'), got ",
-                   shape_str(ids.shape));
-    const int64_t total = m * k;
-    if (total > INT32_MAX)  // sorted_to_flat is int32 (the contract)
-      fail_unsupported(kOp, "M * K must be <= ", INT32_MAX, " (sorted_to_flat is int32), got ", total);
+    const moe_init_routing::Inputs in = moe_init_routing::read_inputs(ctx);
+    const InputView &x = in.x, &ids = in.expert_ids;
+    const moe_init_routing::Dims d = moe_init_routing::validate_inputs(in);
+    const int64_t h = d.H, k = d.K, total = d.total;
     const int32_t* id = ids.ptr<int32_t>();
+    moe_init_routing::check_expert_ids(id, d, num_experts_);
     std::vector<int64_t> next(static_cast<size_t>(num_experts_) + 1, 0);
-    for (int64_t f = 0; f < total; ++f) {
-      if (id[f] < 0 || id[f] >= num_experts_)
-        fail_invalid(kOp, "input 'expert_ids' must be in [0, ", num_experts_, "), got ", id[f],
-                     " at token ", f / k, ", slot ", f % k);
-      ++next[static_cast<size_t>(id[f]) + 1];
-    }
+    for (int64_t f = 0; f < total; ++f) ++next[static_cast<size_t>(id[f]) + 1];
     int64_t* group_list = make_output<int64_t>(ctx, 2, {num_experts_});
     for (int64_t e = 0; e < num_experts_; ++e) {
       next[static_cast<size_t>(e) + 1] += next[static_cast<size_t>(e)];

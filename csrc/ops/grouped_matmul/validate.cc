@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: MIT
+#include "ops/grouped_matmul/validate.h"
+
+namespace ort_ops::grouped_matmul {
+
+constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+
+Inputs read_inputs(const Ort::KernelContext& ctx) {
+  return Inputs{read_input(ctx, 0), read_input(ctx, 1), read_input(ctx, 2), read_input(ctx, 3),
+                read_input(ctx, 4)};
+}
+
+Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const DeviceChecks& device) {
+  const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
+                  &gl = in.group_list;
+  require_present(op, "x", x);
+  require_present(op, "weight", w);
+  require_present(op, "weight_scale", ws);
+  require_present(op, "x_scale", xs);
+  require_present(op, "group_list", gl);
+  require_dtype(op, "x", x, {I8});
+  require_rank(op, "x", x, 2);
+  require_dtype(op, "weight", w, {I8});
+  require_rank(op, "weight", w, 3);
+  const Dims d{x.dim(0), x.dim(1), w.dim(2), w.dim(0)};
+  if (w.dim(1) != d.k)
+    fail_invalid(op, "input 'weight' must have shape [E, ", d.k, ", N] (K of 'x'), got ",
+                 shape_str(w.shape));
+  if (even_n && d.n % 2 != 0)
+    fail_invalid(op, "input 'weight' must have an even N (last dim), got ", d.n);
+  if (device.after_weight) device.after_weight(op, d);
+  require_dtype(op, "weight_scale", ws, {F32, F16});
+  require_shape(op, "weight_scale", ws, {d.e, d.n});
+  require_dtype(op, "x_scale", xs, {F32, F16});
+  require_shape(op, "x_scale", xs, {d.m});
+  require_dtype(op, "group_list", gl, {I64});
+  require_shape(op, "group_list", gl, {d.e});
+  return d;
+}
+
+}  // namespace ort_ops::grouped_matmul

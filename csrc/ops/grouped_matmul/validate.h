@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: MIT
+// Input checks of GroupedMatmulSwigluQuant and GroupedMatmulDequant, one copy for the CPU ops
+// (driver.cc) and the CUDA-EP ops (grouped_matmul_swiglu_quant/cuda_op_common.h): presence,
+// dtypes and shapes of x int8 [M, K], weight int8 [E, K, N], weight_scale [E, N], x_scale [M],
+// group_list int64 [E]. What only one device refuses stays in that device's file (DeviceChecks,
+// or after validate_inputs); group_list's values are checked where they live (CPU: host,
+// CUDA: the kernel).
+//
+// Alphabet: M rows, K inner dim, N output columns, E experts.
+#pragma once
+
+#include <cstdint>
+
+#include "common/tensor.h"
+
+namespace ort_ops::grouped_matmul {
+
+// The inputs in schema order.
+struct Inputs {
+  InputView x, weight, weight_scale, x_scale, group_list;
+};
+
+struct Dims {
+  int64_t m, k, n, e;
+};
+
+// A device's refusals of valid inputs, called where the shared checks reach them (so the first
+// error a bad model meets does not depend on which file holds a check); nullptr: none.
+struct DeviceChecks {
+  // After weight's shape (and even N), before weight_scale's checks.
+  void (*after_weight)(const char* op, const Dims& d) = nullptr;
+};
+
+Inputs read_inputs(const Ort::KernelContext& ctx);
+
+// Checks inputs 0..4's presence, dtype, rank and shape; even_n: N must be even (SwiGLU pairs).
+// Messages name `op`. Returns the dims.
+Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const DeviceChecks& device);
+
+}  // namespace ort_ops::grouped_matmul

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: MIT
+#include "ops/moe_init_routing/validate.h"
+
+#include <climits>
+
+namespace ort_ops::moe_init_routing {
+
+constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+
+int64_t read_num_experts(const OrtKernelInfo* info) {
+  const int64_t num_experts = attr_int(info, "num_experts", -1);
+  if (num_experts < 1)
+    fail_invalid(kOp, "attribute 'num_experts' must be given and >= 1, got ", num_experts);
+  return num_experts;
+}
+
+Inputs read_inputs(const Ort::KernelContext& ctx) {
+  return Inputs{read_input(ctx, 0), read_input(ctx, 1)};
+}
+
+Dims validate_inputs(const Inputs& in) {
+  const InputView &x = in.x, &ids = in.expert_ids;
+  require_present(kOp, "x", x);
+  require_present(kOp, "expert_ids", ids);
+  require_dtype(kOp, "x", x, {F32, F16});
+  require_rank(kOp, "x", x, 2);
+  require_dtype(kOp, "expert_ids", ids, {I32});
+  require_rank(kOp, "expert_ids", ids, 2);
+  const int64_t m = x.dim(0), h = x.dim(1), k = ids.dim(1);
+  if (ids.dim(0) != m)
+    fail_invalid(kOp, "input 'expert_ids' must have shape [", m, ", K] (rows of 'x'), got ",
+                 shape_str(ids.shape));
+  const int64_t total = m * k;
+  if (total > INT32_MAX)  // sorted_to_flat is int32 (the contract)
+    fail_unsupported(kOp, "M * K must be <= ", INT32_MAX, " (sorted_to_flat is int32), got ",
+                     total);
+  return Dims{m, h, k, total};
+}
+
+void check_expert_ids(const int32_t* id, const Dims& d, int64_t num_experts) {
+  for (int64_t f = 0; f < d.total; ++f)
+    if (id[f] < 0 || id[f] >= num_experts)
+      fail_invalid(kOp, "input 'expert_ids' must be in [0, ", num_experts, "), got ", id[f],
+                   " at token ", f / d.K, ", slot ", f % d.K);
+}
+
+}  // namespace ort_ops::moe_init_routing
