@@ -26,7 +26,19 @@ struct IoSpec {
 
 struct OpSpec {
   const char* name;
-  const char* execution_provider;  // "CPUExecutionProvider" or "CUDAExecutionProvider"
+  const char* execution_provider;  // kCpuEp or kCudaEp
+  std::vector<IoSpec> inputs;
+  std::vector<IoSpec> outputs;
+};
+
+inline constexpr const char* kCpuEp = "CPUExecutionProvider";
+inline constexpr const char* kCudaEp = "CUDAExecutionProvider";
+
+// What an op takes and gives, whatever the execution provider: declared once per op (in
+// ops/<op>/validate.cc, beside the input checks both devices share) and registered for each
+// provider with that provider's kernel, so the CPU and CUDA registrations cannot drift.
+struct OpSignature {
+  const char* name;
   std::vector<IoSpec> inputs;
   std::vector<IoSpec> outputs;
 };
@@ -39,6 +51,11 @@ class KernelImpl {
 
 using KernelFactory = std::unique_ptr<KernelImpl> (*)(const OrtKernelInfo* info);
 
+template <class Kernel>
+std::unique_ptr<KernelImpl> make_kernel(const OrtKernelInfo* info) {
+  return std::make_unique<Kernel>(info);
+}
+
 struct KernelAdapter {
   std::unique_ptr<KernelImpl> impl;
   const char* op_name;
@@ -47,6 +64,8 @@ struct KernelAdapter {
 
 class CustomOp : public Ort::CustomOpBase<CustomOp, KernelAdapter, /*WithStatus=*/true> {
  public:
+  CustomOp(const OpSignature& sig, const char* execution_provider, KernelFactory factory)
+      : CustomOp(OpSpec{sig.name, execution_provider, sig.inputs, sig.outputs}, factory) {}
   CustomOp(OpSpec spec, KernelFactory factory) : spec_(std::move(spec)), factory_(factory) {
     // CustomOpBase stamps the headers' ORT_API_VERSION (21); an older runtime refuses a custom op
     // newer than itself. We use no OrtCustomOp field past version kMinOrtApiVersion.

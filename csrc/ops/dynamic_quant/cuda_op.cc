@@ -61,14 +61,7 @@ class DynamicQuantCuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& dynamic_quant_cuda_op() {
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, true}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<DynamicQuantCuda>(info);
-      });
+  static const CustomOp op(dynamic_quant::signature(), kCudaEp, make_kernel<DynamicQuantCuda>);
   return op;
 }
 

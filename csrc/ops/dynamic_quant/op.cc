@@ -83,14 +83,7 @@ class DynamicQuantCpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& dynamic_quant_cpu_op() {
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED, true}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<DynamicQuantCpu>(info);
-      });
+  static const CustomOp op(dynamic_quant::signature(), kCpuEp, make_kernel<DynamicQuantCpu>);
   return op;
 }
 

@@ -26,4 +26,14 @@ Dims validate_inputs(const Inputs& in) {
   return d;
 }
 
+// Every output has a fixed dtype, so x and smooth_scale may both be dynamically typed (the kernels report a
+// wrong float dtype themselves).
+const OpSignature& signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{kOp, {{ANY}, {ANY, true}}, {{I8}, {F32}}};
+  return sig;
+}
+
 }  // namespace ort_ops::dynamic_quant

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/op_base.h"
 #include "common/tensor.h"
 
 namespace ort_ops::dynamic_quant {
@@ -29,5 +30,8 @@ Inputs read_inputs(const Ort::KernelContext& ctx);
 
 // Checks both inputs; returns the dims.
 Dims validate_inputs(const Inputs& in);
+
+// Inputs and outputs of the op, registered for every execution provider (register.cc).
+const OpSignature& signature();
 
 }  // namespace ort_ops::dynamic_quant

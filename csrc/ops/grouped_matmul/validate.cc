@@ -41,4 +41,22 @@ Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const Device
   return d;
 }
 
+// Every output has a fixed dtype, so every input may be dynamically typed and the kernels name the
+// input in their own dtype errors.
+const OpSignature& swiglu_quant_signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{"GroupedMatmulSwigluQuant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}}, {{I8}, {F32}, {F32}}};
+  return sig;
+}
+
+// As GroupedMatmulSwigluQuant; the output is fixed float32.
+const OpSignature& dequant_signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{"GroupedMatmulDequant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}}, {{F32}}};
+  return sig;
+}
+
 }  // namespace ort_ops::grouped_matmul

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "common/op_base.h"
 #include "common/tensor.h"
 
 namespace ort_ops::grouped_matmul {
@@ -36,5 +37,11 @@ Inputs read_inputs(const Ort::KernelContext& ctx);
 // Checks inputs 0..4's presence, dtype, rank and shape; even_n: N must be even (SwiGLU pairs).
 // Messages name `op`. Returns the dims.
 Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const DeviceChecks& device);
+
+// Inputs and outputs of GroupedMatmulSwigluQuant, registered for every execution provider (register.cc).
+const OpSignature& swiglu_quant_signature();
+
+// Inputs and outputs of GroupedMatmulDequant, registered for every execution provider (register.cc).
+const OpSignature& dequant_signature();
 
 }  // namespace ort_ops::grouped_matmul

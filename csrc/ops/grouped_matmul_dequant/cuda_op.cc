@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "ops/grouped_matmul_swiglu_quant/cuda_op_common.h"
+#include "ops/grouped_matmul/validate.h"
 
 namespace ort_ops {
 namespace {
@@ -33,15 +34,7 @@ class GroupedMatmulDequantCuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& grouped_matmul_dequant_cuda_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<GroupedMatmulDequantCuda>(info);
-      });
+  static const CustomOp op(grouped_matmul::dequant_signature(), kCudaEp, make_kernel<GroupedMatmulDequantCuda>);
   return op;
 }
 

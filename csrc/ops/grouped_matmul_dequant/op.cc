@@ -9,6 +9,7 @@
 #include "common/cpu_features.h"
 #include "common/tensor.h"
 #include "ops/grouped_matmul/driver.h"
+#include "ops/grouped_matmul/validate.h"
 
 namespace ort_ops {
 namespace {
@@ -42,15 +43,7 @@ class GroupedMatmulDequantCpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& grouped_matmul_dequant_cpu_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<GroupedMatmulDequantCpu>(info);
-      });
+  static const CustomOp op(grouped_matmul::dequant_signature(), kCpuEp, make_kernel<GroupedMatmulDequantCpu>);
   return op;
 }
 

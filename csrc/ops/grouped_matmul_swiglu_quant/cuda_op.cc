@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "ops/grouped_matmul_swiglu_quant/cuda_op_common.h"
+#include "ops/grouped_matmul/validate.h"
 
 namespace ort_ops {
 namespace {
@@ -33,17 +34,7 @@ class GroupedMatmulSwigluQuantCuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& grouped_matmul_swiglu_quant_cuda_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<GroupedMatmulSwigluQuantCuda>(info);
-      });
+  static const CustomOp op(grouped_matmul::swiglu_quant_signature(), kCudaEp, make_kernel<GroupedMatmulSwigluQuantCuda>);
   return op;
 }
 

@@ -17,6 +17,7 @@
 #include "common/tensor.h"
 #include "ops/dynamic_quant/cpu.h"
 #include "ops/grouped_matmul/driver.h"
+#include "ops/grouped_matmul/validate.h"
 
 namespace ort_ops {
 namespace {
@@ -72,19 +73,7 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& grouped_matmul_swiglu_quant_cpu_op() {
-  // Every output has a fixed dtype, so every input may be UNDEFINED and the kernel names the
-  // input in its own dtype errors.
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<GroupedMatmulSwigluQuantCpu>(info);
-      });
+  static const CustomOp op(grouped_matmul::swiglu_quant_signature(), kCpuEp, make_kernel<GroupedMatmulSwigluQuantCpu>);
   return op;
 }
 

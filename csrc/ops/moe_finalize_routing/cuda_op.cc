@@ -53,15 +53,7 @@ class MoeFinalizeRoutingCuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& moe_finalize_routing_cuda_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ANY}, {ANY}, {ANY}, {ANY, true}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<MoeFinalizeRoutingCuda>(info);
-      });
+  static const CustomOp op(moe_finalize_routing::signature(), kCudaEp, make_kernel<MoeFinalizeRoutingCuda>);
   return op;
 }
 

@@ -87,16 +87,7 @@ class MoeFinalizeRoutingCpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& moe_finalize_routing_cpu_op() {
-  // The output is fixed float32, so every float input may be UNDEFINED (checked here).
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ANY}, {ANY}, {ANY}, {ANY, true}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<MoeFinalizeRoutingCpu>(info);
-      });
+  static const CustomOp op(moe_finalize_routing::signature(), kCpuEp, make_kernel<MoeFinalizeRoutingCpu>);
   return op;
 }
 

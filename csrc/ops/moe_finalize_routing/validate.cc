@@ -31,4 +31,12 @@ Dims validate_inputs(const Inputs& in) {
   return Dims{m, k, h, total};
 }
 
+// The output is fixed float32, so every input may be dynamically typed (the kernels check them).
+const OpSignature& signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{kOp, {{ANY}, {ANY}, {ANY}, {ANY, true}}, {{F32}}};
+  return sig;
+}
+
 }  // namespace ort_ops::moe_finalize_routing

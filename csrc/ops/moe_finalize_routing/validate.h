@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "common/op_base.h"
 #include "common/tensor.h"
 
 namespace ort_ops::moe_finalize_routing {
@@ -28,5 +29,8 @@ Inputs read_inputs(const Ort::KernelContext& ctx);
 
 // Checks every input's presence, dtype, rank and shape; returns the dims.
 Dims validate_inputs(const Inputs& in);
+
+// Inputs and outputs of the op, registered for every execution provider (register.cc).
+const OpSignature& signature();
 
 }  // namespace ort_ops::moe_finalize_routing

@@ -65,16 +65,7 @@ class MoeInitRoutingCuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& moe_init_routing_cuda_op() {
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<MoeInitRoutingCuda>(info);
-      });
+  static const CustomOp op(moe_init_routing::signature(), kCudaEp, make_kernel<MoeInitRoutingCuda>);
   return op;
 }
 

@@ -65,18 +65,7 @@ class MoeInitRoutingCpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& moe_init_routing_cpu_op() {
-  // sorted_x follows x's dtype: x is the one UNDEFINED input (ORT infers the output from it);
-  // expert_ids is fixed int32, so ORT refuses another dtype when the session is created.
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED}, {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32}},
-             {{ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32},
-              {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<MoeInitRoutingCpu>(info);
-      });
+  static const CustomOp op(moe_init_routing::signature(), kCpuEp, make_kernel<MoeInitRoutingCpu>);
   return op;
 }
 

@@ -46,4 +46,14 @@ void check_expert_ids(const int32_t* id, const Dims& d, int64_t num_experts) {
                    " at token ", f / d.K, ", slot ", f % d.K);
 }
 
+// sorted_x follows x's dtype: x is the one dynamically typed input (ORT infers the output from it);
+// expert_ids is fixed int32, so ORT refuses another dtype when the session is created.
+const OpSignature& signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  static const OpSignature sig{kOp, {{ANY}, {I32}}, {{ANY}, {I32}, {I64}}};
+  return sig;
+}
+
 }  // namespace ort_ops::moe_init_routing

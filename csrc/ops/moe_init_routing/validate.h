@@ -36,4 +36,7 @@ Dims validate_inputs(const Inputs& in);
 // Checks the total ids at `id` (host memory, [M, K] row-major) are in [0, num_experts).
 void check_expert_ids(const int32_t* id, const Dims& d, int64_t num_experts);
 
+// Inputs and outputs of the op, registered for every execution provider (register.cc).
+const OpSignature& signature();
+
 }  // namespace ort_ops::moe_init_routing

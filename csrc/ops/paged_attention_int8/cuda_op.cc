@@ -122,15 +122,7 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& paged_attention_int8_cuda_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ANY}, {I8}, {I8}, {F32}, {F32}, {I32}, {I32}, {I32, true}},
-             {{ANY}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<PagedAttentionInt8Cuda>(info);
-      });
+  static const CustomOp op(paged_attention_int8::signature(), kCudaEp, make_kernel<PagedAttentionInt8Cuda>);
   return op;
 }
 

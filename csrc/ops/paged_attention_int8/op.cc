@@ -289,18 +289,7 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& paged_attention_int8_cpu_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  // The output dtype follows the query's, so the query is the one dynamically typed input
-  // (the kernel reports a wrong float dtype); the other inputs have fixed dtypes, which ORT
-  // checks at session creation.
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ANY}, {I8}, {I8}, {F32}, {F32}, {I32}, {I32}, {I32, true}},
-             {{ANY}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<PagedAttentionInt8Cpu>(info);
-      });
+  static const CustomOp op(paged_attention_int8::signature(), kCpuEp, make_kernel<PagedAttentionInt8Cpu>);
   return op;
 }
 

@@ -76,4 +76,15 @@ Dims validate_inputs(const Inputs& in, const DeviceChecks& device) {
   return Dims{T, Hq, D, N, Hkv, B, S, M};
 }
 
+// The output dtype follows the query's, so the query is the one dynamically typed input (the kernels
+// report a wrong float dtype); the other inputs have fixed dtypes, which ORT checks at session creation.
+const OpSignature& signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{kOp, {{ANY}, {I8}, {I8}, {F32}, {F32}, {I32}, {I32}, {I32, true}}, {{ANY}}};
+  return sig;
+}
+
 }  // namespace ort_ops::paged_attention_int8

@@ -57,4 +57,7 @@ Inputs read_inputs(const Ort::KernelContext& ctx);
 // Checks every input's dtype, rank and shape, and T == S without cu_seqlens_q; returns the dims.
 Dims validate_inputs(const Inputs& in, const DeviceChecks& device);
 
+// Inputs and outputs of the op, registered for every execution provider (register.cc).
+const OpSignature& signature();
+
 }  // namespace ort_ops::paged_attention_int8

@@ -110,15 +110,7 @@ class QuantizeKVCacheCuda final : public KernelImpl {
 }  // namespace
 
 const CustomOp& quantize_kv_cache_cuda_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CUDAExecutionProvider",
-             {{ANY}, {ANY}, {I64}, {I8}, {I8}, {F32}, {F32}},
-             {{I8}, {I8}, {F32}, {F32}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<QuantizeKVCacheCuda>(info);
-      });
+  static const CustomOp op(quantize_kv_cache::signature(), kCudaEp, make_kernel<QuantizeKVCacheCuda>);
   return op;
 }
 

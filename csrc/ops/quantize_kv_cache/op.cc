@@ -124,17 +124,7 @@ class QuantizeKVCacheCpu final : public KernelImpl {
 }  // namespace
 
 const CustomOp& quantize_kv_cache_cpu_op() {
-  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  // Every output has a fixed dtype, so key and value may both be dynamically typed (the kernel
-  // reports a wrong float dtype itself); the caches have fixed dtypes.
-  static const CustomOp op(
-      OpSpec{kOp,
-             "CPUExecutionProvider",
-             {{ANY}, {ANY}, {I64}, {I8}, {I8}, {F32}, {F32}},
-             {{I8}, {I8}, {F32}, {F32}}},
-      [](const OrtKernelInfo* info) -> std::unique_ptr<KernelImpl> {
-        return std::make_unique<QuantizeKVCacheCpu>(info);
-      });
+  static const CustomOp op(quantize_kv_cache::signature(), kCpuEp, make_kernel<QuantizeKVCacheCpu>);
   return op;
 }
 

@@ -57,4 +57,15 @@ int64_t check_slots(const int64_t* slot, const Dims& d) {
   return static_cast<int64_t>(live.size());
 }
 
+// Every output has a fixed dtype, so key and value may both be dynamically typed (the kernels report a
+// wrong float dtype themselves); the caches have fixed dtypes.
+const OpSignature& signature() {
+  constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{kOp, {{ANY}, {ANY}, {I64}, {I8}, {I8}, {F32}, {F32}}, {{I8}, {I8}, {F32}, {F32}}};
+  return sig;
+}
+
 }  // namespace ort_ops::quantize_kv_cache

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "common/op_base.h"
 #include "common/tensor.h"
 
 namespace ort_ops::quantize_kv_cache {
@@ -39,5 +40,8 @@ Dims validate_inputs(const Inputs& in, const DeviceChecks& device);
 // Checks the T slots at `slot` (host memory): each < N * B (a negative one skips its token) and
 // no live slot twice. Returns how many are live.
 int64_t check_slots(const int64_t* slot, const Dims& d);
+
+// Inputs and outputs of the op, registered for every execution provider (register.cc).
+const OpSignature& signature();
 
 }  // namespace ort_ops::quantize_kv_cache
