@@ -31,26 +31,26 @@ def assert_exact(got, want):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-K{}-N{}-E{}".format(*s))
-def test_matches_reference(rng, cpu_isa, shape):
+def test_matches_reference(rng, gemm_isa, shape):
     inputs = make_inputs(rng, *shape)
     assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))
 
 
-def test_realistic_shape(rng, cpu_isa):
+def test_realistic_shape(rng, gemm_isa):
     """The down projection 704 -> 2048 with 8 experts."""
     inputs = make_inputs(rng, 40, 704, 2048, 8, codes=(-127, 128))
     assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))
 
 
 @pytest.mark.parametrize("group_list", [[0, 0, 0], [9, 9, 9], [1, 2, 3], [0, 4, 6]])
-def test_group_layouts(rng, cpu_isa, group_list):
+def test_group_layouts(rng, gemm_isa, group_list):
     inputs = make_inputs(rng, 9, 40, 70, 3, group_list=group_list)
     got = _run(inputs)
     assert_exact(got, reference.grouped_matmul_dequant(**inputs))
     assert not got[group_list[-1]:].any()
 
 
-def test_counts_and_float16_scales(rng, cpu_isa):
+def test_counts_and_float16_scales(rng, gemm_isa):
     inputs = make_inputs(rng, 30, 50, 70, 4, scale_dtype=np.float16)
     counts = np.diff(np.concatenate([[0], inputs["group_list"]])).astype(np.int64)
     want = reference.grouped_matmul_dequant(**inputs)
@@ -89,8 +89,17 @@ def test_odd_n_is_fine(rng):
 
 
 @pytest.mark.parametrize("k", [3, 257, 1037])
-def test_few_row_experts(rng, cpu_isa, k):
+def test_few_row_experts(rng, gemm_isa, k):
     """Experts of 1-4 rows take the K-split path; see the SwiGLU op's test of the same name."""
     inputs = make_inputs(rng, 12, k, 150, 5, group_list=[1, 3, 3, 6, 10])
     inputs["x"][0, :] = -128
+    assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))
+
+
+def test_row_blocks(rng, gemm_isa):
+    """Experts of 2-70 rows around the tiles' row blocks (AMX: 16 and 32 rows; AVX: 3 or 6), K
+    not a multiple of 64, N not a multiple of the 64-column packing group."""
+    counts = [2, 3, 15, 16, 17, 31, 32, 33, 64, 70]
+    inputs = make_inputs(rng, sum(counts) + 5, 200, 530, len(counts), group_list=np.cumsum(counts))
+    inputs["x"][-10:, :] = -128
     assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))

@@ -15,7 +15,7 @@ import pytest
 from ort_ops import reference
 from ort_ops.ops import grouped_matmul_swiglu_quant as gmsq
 from ort_ops.ops._run import make_session, run_single_op
-from tests.conftest import use_isa
+from tests.ops.conftest import use_gemm_isa
 from tests.tolerances import INT8_EXACT_ATOL
 
 # (M, K, N, E)
@@ -59,23 +59,23 @@ def assert_exact(got, want):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{}-K{}-N{}-E{}".format(*s))
-def test_matches_reference(rng, cpu_isa, shape):
+def test_matches_reference(rng, gemm_isa, shape):
     inputs = make_inputs(rng, *shape)
     ties = count_ties(inputs)
-    print(f"{cpu_isa} {shape}: {ties} rounding ties, all must match")
+    print(f"{gemm_isa} {shape}: {ties} rounding ties, all must match")
     assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))
 
 
-def test_realistic_shape(rng, cpu_isa):
+def test_realistic_shape(rng, gemm_isa):
     """Hidden 2048 -> 2 x 704 with 8 experts and offline-quantized weights (codes in [-127, 127])."""
     m, k, n, e = 48, 2048, 1408, 8
     inputs = make_inputs(rng, m, k, n, e, codes=(-127, 128))
     assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni", "amx"])
 def test_float16_scales_and_counts(monkeypatch, rng, isa):
-    use_isa(monkeypatch, isa)
+    use_gemm_isa(monkeypatch, isa)
     inputs = make_inputs(rng, 40, 96, 136, 5, scale_dtype=np.float16)
     counts = np.diff(np.concatenate([[0], inputs["group_list"]]))
     as_counts = dict(inputs, group_list=counts.astype(np.int64))
@@ -87,7 +87,7 @@ def test_float16_scales_and_counts(monkeypatch, rng, isa):
 
 @pytest.mark.parametrize("group_list", [[0, 0, 0], [0, 9, 9], [9, 9, 9], [1, 2, 3], [0, 4, 6]],
                          ids=["none", "one-expert-first", "all-in-expert0", "one-row-each", "tail-unused"])
-def test_group_layouts(rng, cpu_isa, group_list):
+def test_group_layouts(rng, gemm_isa, group_list):
     """Empty experts, all rows in one expert, one-row experts; rows past the end are zeros."""
     inputs = make_inputs(rng, 9, 40, 132, 3, group_list=group_list)
     got = _run(inputs)
@@ -103,7 +103,7 @@ def test_empty_m(rng):
     assert y.shape == (0, 4) and ys.shape == (0,) and yo.shape == (0,)
 
 
-def test_zero_rows_and_saturating_codes(rng, cpu_isa):
+def test_zero_rows_and_saturating_codes(rng, gemm_isa):
     """A zero x row gives scale 0 and codes 0; all -128 codes (x and W) stay exact in int32."""
     inputs = make_inputs(rng, 8, 4099, 34, 1, group_list=[8])
     inputs["x"][2] = 0
@@ -166,10 +166,10 @@ def test_bad_input_fails_with_message(rng, name, override, attrs, msg):
             reference.grouped_matmul_swiglu_quant(**inputs, **attrs)
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni", "amx"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_scale_fails(monkeypatch, rng, isa, bad):
-    use_isa(monkeypatch, isa)
+    use_gemm_isa(monkeypatch, isa)
     inputs = make_inputs(rng, 6, 10, 8, 3, group_list=[1, 2, 5])
     inputs["x_scale"][3] = bad
     with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: row 3: the dequantized product is not finite"):
@@ -186,7 +186,7 @@ def test_overflowing_swiglu_fails(rng):
         _run(inputs)
 
 
-def test_rounding_ties_round_half_to_even(cpu_isa):
+def test_rounding_ties_round_half_to_even(gemm_isa):
     """Exact ties: with A >= 17, exp_f32(-A) < 2^-24 so Swish(A) == A and S == A * G exactly;
     with the row's amax 127 the factor 127 / amax is 1, so S = 63.5 is a true tie -> 64."""
     a = np.array([127, 63.5, 62.5, 20.5, 21.5, 63.5, 100.5, 17.5], np.float32)
@@ -203,10 +203,41 @@ def test_rounding_ties_round_half_to_even(cpu_isa):
 
 
 @pytest.mark.parametrize("k", [3, 257, 1037])
-def test_few_row_experts(rng, cpu_isa, k):
+def test_few_row_experts(rng, gemm_isa, k):
     """Experts of 1-4 rows (<= kGemvRows = 6) take the K-split path (blocks of 256 k): K not a
     multiple of 4 or 16, several blocks, -128 codes, N/2 not a multiple of the packing group."""
     inputs = make_inputs(rng, 12, k, 300, 5, group_list=[1, 3, 3, 6, 10])
     inputs["x"][0, :] = -128
     inputs["weight"][0, -1, :] = -128
     assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))
+
+
+def test_row_blocks(rng, gemm_isa):
+    """Experts of 2-70 rows around the tiles' row blocks (AMX: 16 and 32 rows; AVX: 3 or 6) with
+    K not a multiple of 64 (the last AMX k tile is part padding) and -128 codes in the last rows."""
+    counts = [2, 3, 15, 16, 17, 31, 32, 33, 64, 70]
+    inputs = make_inputs(rng, sum(counts) + 5, 200, 2 * 136, len(counts), group_list=np.cumsum(counts))
+    inputs["x"][-10:, :] = -128
+    assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))
+
+
+def test_constant_weight_initializer(rng, gemm_isa):
+    """A weight of several MB as a constant initializer (the kernel asks for 2 MB pages for it
+    at creation, ORT_OPS_CPU_HUGEPAGES): outputs unchanged, across several runs."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from ort_ops._lib import session_options
+    from ort_ops.ops._schema import single_op_model
+
+    inputs = make_inputs(rng, 24, 1024, 2 * 1536, 4, codes=(-127, 128))  # 12.6 MB of weights
+    model = single_op_model(gmsq.SCHEMA, inputs)
+    model.graph.initializer.append(numpy_helper.from_array(inputs["weight"], "weight"))
+    kept = [i for i in model.graph.input if i.name != "weight"]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    feeds = {k: v for k, v in inputs.items() if k != "weight"}
+    want = reference.grouped_matmul_swiglu_quant(**inputs)
+    for _ in range(2):
+        assert_exact(sess.run(None, feeds), want)

@@ -23,7 +23,7 @@ def _session(model):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "H{}-I{}-E{}-k{}-T{}-shared{}".format(*c))
-def test_chain_matches_references_and_float_layer(rng, cpu_isa, cfg):
+def test_chain_matches_references_and_float_layer(rng, gemm_isa, cfg):
     h, i, e, k, t, shared = cfg
     w = ml.random_moe_weights(rng, h, i, e, shared)
     q = ml.quantize_moe_weights(w)
@@ -33,7 +33,7 @@ def test_chain_matches_references_and_float_layer(rng, cpu_isa, cfg):
         None, {"x": x, "topk_ids": ids, "topk_weights": wts})[0]
     np.testing.assert_array_equal(out, ml.moe_layer_int8_reference(x, q, ids, wts))
     err = ml.relative_l2(out, ml.moe_layer_float(x, w, k, routing=(ids, wts)))
-    print(f"{cpu_isa} {cfg}: INT8 chain vs float layer relative L2 {err:.4f}")
+    print(f"{gemm_isa} {cfg}: INT8 chain vs float layer relative L2 {err:.4f}")
     assert err <= MOE_CHAIN_VS_FLOAT_REL_L2
 
 

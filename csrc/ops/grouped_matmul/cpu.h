@@ -86,12 +86,22 @@ struct Kernels {
   GemvPartialFn gemv_partial = nullptr;  // nullptr: every expert goes through tiles
   GemvFinishFn gemv_finish = nullptr;
   int64_t gemv_group = 0;
+  int64_t prep_pad_rows = 0;  // rows the tile may read past the last prepared one (zeroed)
+  int64_t gemv_rows = kGemvRows;  // experts of at most this many rows take the few-row path
 };
 
 bool tile_scalar(const TileArgs& a, int64_t* bad_row);
 bool tile_avx2(const TileArgs& a, int64_t* bad_row);
 bool tile_avxvnni(const TileArgs& a, int64_t* bad_row);
 bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row);
+// AMX (TDPBUSD on 16 x 64-byte tiles) over the AVX-512 VNNI packed tile; needs prep_u8_quads64
+// rows (k padded to 64) and kAmxPadRows readable rows past the last one.
+bool tile_amx(const TileArgs& a, int64_t* bad_row);
+constexpr int64_t kAmxPadRows = 32;
+// True when the CPU has AMX-TILE and AMX-INT8, the OS enables the tile state (XCR0) and lets
+// this process use it (Linux arch_prctl ARCH_REQ_XCOMP_PERM); asked once per process.
+// ORT_OPS_CPU_AMX=0 turns AMX off (read each time a kernel is created, like ORT_OPS_CPU_ISA).
+bool amx_usable();
 #define ORT_OPS_GEMV_DECL(isa)                \
   void gemv_partial_##isa(const GemvArgs& g); \
   bool gemv_finish_##isa(const GemvFinishArgs& f, int64_t* bad_row);
@@ -103,6 +113,7 @@ void prep_int16_pairs(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, in
 void prep_u8_quads(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride);
 int64_t prep_stride_int16(int64_t k);
 int64_t prep_stride_quads(int64_t k);
+int64_t prep_stride_quads64(int64_t k);  // k rounded up to 64 (one AMX tile row per 64 k)
 
 Kernels kernels_for(CpuIsa isa);
 

@@ -56,7 +56,101 @@ struct Avx512VnniTraits {
   }
 };
 
+// ---- AMX: the same packed tile, TDPBUSD on 16-row x 64-byte tiles ----
+// The packed tile [steps][512 columns][4 bytes] is already AMX's B layout: 16 steps (64 k) of
+// 16 columns are one B tile with a row stride of kStepBytes. A tiles are 16 prepared x rows
+// (u8 quads, k padded to 64) of 64 bytes each. Tiles 0-3 accumulate a 32-row x 32-column block
+// (rows 0-15 / 16-31 times columns 0-15 / 16-31), 4-5 hold A, 6-7 hold B. The int32 sums are
+// the VNNI path's (wrapping int32 adds, exact), and the epilogue is store_c + finish_row, so the
+// outputs match every other variant bit for bit.
+#define ORT_OPS_AMX __attribute__((target("amx-tile,amx-int8")))
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// One 32-column chunk of the rows [r0, r0 + 16 * (1 + TWO)) into ct [32][32] (int32).
+template <bool TWO>
+ORT_OPS_AMX inline void amx_block(const uint8_t* xp, int64_t xstride, const uint8_t* bp, int64_t ktiles,
+                                  int32_t* ct) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (TWO) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < ktiles; ++t) {
+    _tile_loadd(4, xp + t * 64, xstride);
+    _tile_loadd(6, bp + t * 16 * kStepBytes, kStepBytes);
+    _tile_loadd(7, bp + t * 16 * kStepBytes + 64, kStepBytes);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (TWO) {
+      _tile_loadd(5, xp + 16 * xstride + t * 64, xstride);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, ct, 128);
+  _tile_stored(1, ct + 16, 128);
+  if (TWO) {
+    _tile_stored(2, ct + 16 * 32, 128);
+    _tile_stored(3, ct + 16 * 32 + 16, 128);
+  }
+}
+
 }  // namespace
+
+ORT_OPS_AMX bool tile_amx(const TileArgs& a, int64_t* bad_row) {
+  using T = Avx512VnniTraits;
+  const int64_t ktiles = (a.k + 63) / 64;
+  PackedTile pt;
+  prepare_tile<T>(a, ktiles * 16, pt);  // zero steps past k fill the last A/B tile pair
+  const uint8_t* pk = pt.pk;
+
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  constexpr int64_t CW = 32;
+  thread_local std::vector<float> cvec(32 * kTileCols + 16);
+  float* cbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cvec.data()) + 63) & ~uintptr_t{63});
+  alignas(64) int32_t ct[32 * 32];
+  bool ok = true;
+  for (int64_t r0 = 0; r0 < a.rows && ok; r0 += 32) {
+    const int64_t nr = std::min<int64_t>(32, a.rows - r0);
+    const uint8_t* xp = a.xprep + r0 * a.xprep_stride;
+    for (int64_t ch = 0; ch < kTileCols / CW; ++ch) {
+      if (!chunk_live(a, ch * CW / T::PACK_G, T::PACK_G)) {  // packing permutes within 64 columns
+        for (int64_t i = 0; i < nr; ++i) std::fill(cbuf + i * kTileCols + ch * CW, cbuf + i * kTileCols + (ch + 1) * CW, 0.0f);
+        continue;
+      }
+      if (nr > 16)
+        amx_block<true>(xp, a.xprep_stride, pk + ch * CW * 4, ktiles, ct);
+      else
+        amx_block<false>(xp, a.xprep_stride, pk + ch * CW * 4, ktiles, ct);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t j = 0; j < CW; j += 16) {
+          const int64_t col = ch * CW + j;
+          T::store_c(_mm512_load_si512(ct + i * 32 + j), pt.corr + col, a.x_scale[r0 + i], pt.wsp + col,
+                     cbuf + i * kTileCols + col);
+        }
+    }
+    for (int64_t i = 0; i < nr; ++i)
+      if (!finish_row(a, cbuf + i * kTileCols, pt.colmap, a.out + (r0 + i) * a.ldo)) {
+        *bad_row = r0 + i;
+        ok = false;
+        break;
+      }
+  }
+  _tile_release();
+  return ok;
+}
 
 bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row) {
   return tile_simd<Avx512VnniTraits>(a, bad_row);

@@ -8,6 +8,13 @@
 #include "ops/grouped_matmul/cpu.h"
 #include "ops/grouped_matmul/exp_f32.h"
 
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#include <cstdlib>
+
 namespace ort_ops::grouped_matmul {
 
 float swiglu_scalar(float a, float g) {
@@ -55,6 +62,7 @@ bool tile_scalar(const TileArgs& a, int64_t* bad_row) {
 
 int64_t prep_stride_int16(int64_t k) { return ((k + 1) / 2) * 4; }
 int64_t prep_stride_quads(int64_t k) { return ((k + 3) / 4) * 4; }
+int64_t prep_stride_quads64(int64_t k) { return ((k + 63) / 64) * 64; }
 
 // AVX2 rows: int16 values, zero-padded to an even count (a 4-byte broadcast is one k pair).
 void prep_int16_pairs(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64_t stride) {
@@ -78,9 +86,41 @@ void prep_u8_quads(const int8_t* x, int64_t rows, int64_t k, uint8_t* out, int64
   }
 }
 
+bool amx_usable() {
+  static const bool usable = [] {
+#if defined(__linux__) && (defined(__x86_64__) || defined(_M_X64))
+    if (!cpu_features().avx512_vnni || __get_cpuid_max(0, nullptr) < 7) return false;
+    unsigned a, b, c, d;
+    __cpuid_count(7, 0, a, b, c, d);
+    const bool tile = d & (1u << 24), int8 = d & (1u << 25);
+    if (!tile || !int8) return false;
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA state
+    // Linux hands out the 8 KB tile state only on request, once for the whole process.
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return usable;
+}
+
 Kernels kernels_for(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAvx512Vnni:
+      if (amx_usable()) {
+        const char* env = std::getenv("ORT_OPS_CPU_AMX");
+        if (env == nullptr || std::strcmp(env, "0") != 0) {
+          Kernels k{tile_amx, prep_u8_quads, prep_stride_quads64, gemv_partial_avx512vnni, gemv_finish_avx512vnni, 64};
+          k.prep_pad_rows = kAmxPadRows;
+          // With AMX the tiles' arithmetic is nearly free and only their packing reads remain:
+          // they beat the few-row path from 3 rows an expert (1 thread, 2 MB weight pages).
+          k.gemv_rows = 2;
+          return k;
+        }
+      }
       return {tile_avx512vnni, prep_u8_quads, prep_stride_quads, gemv_partial_avx512vnni, gemv_finish_avx512vnni, 64};
     case CpuIsa::kAvxVnni:
       return {tile_avxvnni, prep_u8_quads, prep_stride_quads, gemv_partial_avxvnni, gemv_finish_avxvnni, 32};

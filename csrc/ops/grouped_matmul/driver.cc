@@ -3,7 +3,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "common/convert.h"
 #include "common/parallel.h"
@@ -28,6 +34,33 @@ const float* as_f32(const InputView& t, std::vector<float>& storage) {
 }
 
 }  // namespace
+
+void advise_weight_pages(const OrtKernelInfo* info, size_t index) {
+#if defined(__linux__)
+  const char* env = std::getenv("ORT_OPS_CPU_HUGEPAGES");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return;
+  try {
+    int is_constant = 0;
+    const Ort::ConstValue w = Ort::ConstKernelInfo(info).GetTensorConstantInput(index, &is_constant);
+    if (!is_constant || !w) return;
+    const auto shape = w.GetTensorTypeAndShapeInfo();
+    const size_t bytes = shape.GetElementCount();  // int8 weights: one byte each
+    constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+    if (bytes < 2 * kHuge) return;
+    const auto begin = reinterpret_cast<uintptr_t>(w.GetTensorRawData());
+    const uintptr_t lo = (begin + kHuge - 1) & ~(kHuge - 1), hi = (begin + bytes) & ~(kHuge - 1);
+    if (hi <= lo) return;
+    constexpr int kMadvCollapse = 25;  // Linux 6.1+; older kernels answer EINVAL
+    if (madvise(reinterpret_cast<void*>(lo), hi - lo, kMadvCollapse) != 0)
+      madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // khugepaged, later
+  } catch (const Ort::Exception&) {
+    // Not a constant initializer ORT can hand out here: nothing to advise.
+  }
+#else
+  (void)info;
+  (void)index;
+#endif
+}
 
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n) {
   const Inputs in = read_inputs(ctx);
@@ -90,7 +123,9 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   int64_t stride = 0;
   if (kern.prep) {
     stride = kern.prep_stride(p.k);
-    xprep.reset(new uint8_t[static_cast<size_t>(p.rows_used * stride)]);
+    xprep.reset(new uint8_t[static_cast<size_t>((p.rows_used + kern.prep_pad_rows) * stride)]);
+    std::fill(xprep.get() + p.rows_used * stride, xprep.get() + (p.rows_used + kern.prep_pad_rows) * stride,
+              uint8_t{0});
     const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(p.k, 1));
     const int64_t chunks = (p.rows_used + rows_per - 1) / rows_per;
     parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
@@ -125,7 +160,7 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   int64_t start = 0;
   for (int64_t e = 0; e < p.e; ++e) {
     const int64_t end = p.ends[static_cast<size_t>(e)];
-    if (use_gemv && end > start && end - start <= kGemvRows) {
+    if (use_gemv && end > start && end - start <= kern.gemv_rows) {
       gemvs.push_back({e, start, end, partial_ints, chunks.size()});
       chunks.push_back({static_cast<int64_t>(gemvs.size()) - 1, start, end});
       partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));

@@ -25,6 +25,13 @@ struct Problem {
   int64_t rows_used = 0;                        // last group end: rows past it are not computed
 };
 
+// If input `index` (the weight) is a constant initializer of at least a few MB, asks Linux to
+// back it with 2 MB pages (MADV_COLLAPSE, once, here at kernel creation). The grouped GEMM reads
+// every weight byte once per Run along short strided segments, so with 4 KB pages a large part
+// of its time is page walks; the contents are not touched. ORT_OPS_CPU_HUGEPAGES=0 skips it;
+// a kernel or file system that refuses is ignored.
+void advise_weight_pages(const OrtKernelInfo* info, size_t index);
+
 // Validates inputs 0..4 and the attribute value; throws OpError naming the op and the input.
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n);
 

@@ -59,10 +59,13 @@ void pack_tile(const TileArgs& a, int64_t steps, uint8_t* pk, int32_t* corr, int
     const int64_t k0 = s * T::KPER;
     uint8_t* dst = pk + s * kStepBytes;
     for (int sg = 0; sg < nseg; ++sg) {
-      if (k0 + kPrefetchRows < a.k)
-        for (int64_t c = 0; c < a.width; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(a.w + (k0 + kPrefetchRows) * a.n + seg_col[sg] + c),
-                       _MM_HINT_T0);
+      // Every weight row of the step ahead (rows kPrefetchRows further on): the segments are
+      // short strided pieces the hardware prefetchers do not follow far enough.
+      for (int i = 0; i < T::KPER; ++i)
+        if (k0 + kPrefetchRows + i < a.k)
+          for (int64_t c = 0; c < a.width; c += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(a.w + (k0 + kPrefetchRows + i) * a.n + seg_col[sg] + c),
+                         _MM_HINT_T0);
       for (int64_t g = 0; g < seg_pitch; g += G) {
         const int64_t pc = sg * seg_pitch + g;  // first packed column of the group
         const int8_t* rows[T::KPER];
@@ -184,16 +187,8 @@ inline uint8_t* thread_buffer(size_t bytes) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
 }
 
-template <class T>
-bool tile_simd(const TileArgs& a, int64_t* bad_row) {
-  const int64_t steps = (a.k + T::KPER - 1) / T::KPER;
-  uint8_t* pk = thread_buffer(static_cast<size_t>(steps * kStepBytes));
-  alignas(64) int32_t corr[kTileCols] = {};
-  int32_t colmap[kTileCols];
-  pack_tile<T>(a, steps, pk, corr, colmap);
-
-  // Per packed column: its weight scale (0 for padding, so padding C is exactly 0).
-  alignas(64) float wsp[kTileCols];
+// Per packed column: its weight scale (0 for padding, so padding C is exactly 0).
+inline void packed_wscale(const TileArgs& a, const int32_t* colmap, float* wsp) {
   const bool swiglu = a.mode == Mode::kSwiglu;
   for (int64_t p = 0; p < kTileCols; ++p) {
     const int64_t nat = colmap[p];  // natural tile position
@@ -201,17 +196,47 @@ bool tile_simd(const TileArgs& a, int64_t* bad_row) {
     const int64_t j = swiglu ? nat % kHalfCols : nat;
     wsp[p] = j < a.width ? a.w_scale[(seg ? a.n / 2 : 0) + a.col0 + j] : 0.0f;
   }
+}
+
+// Whether the packed column chunk [ch * cw, (ch + 1) * cw) holds real columns (SwiGLU tiles of
+// narrow width skip the empty ones). cw divides kHalfCols.
+inline bool chunk_live(const TileArgs& a, int64_t ch, int64_t cw) {
+  const int64_t first = ch * cw;
+  return (a.mode == Mode::kSwiglu ? first % kHalfCols : first) < a.width;
+}
+
+// A tile's columns packed for the micro-kernels (in the thread's buffer), with the per-packed-
+// column VNNI correction, natural position and weight scale.
+struct PackedTile {
+  uint8_t* pk;
+  alignas(64) int32_t corr[kTileCols];
+  alignas(64) int32_t colmap[kTileCols];
+  alignas(64) float wsp[kTileCols];
+};
+
+template <class T>
+void prepare_tile(const TileArgs& a, int64_t steps, PackedTile& t) {
+  t.pk = thread_buffer(static_cast<size_t>(steps * kStepBytes));
+  std::fill(t.corr, t.corr + kTileCols, 0);
+  pack_tile<T>(a, steps, t.pk, t.corr, t.colmap);
+  packed_wscale(a, t.colmap, t.wsp);
+}
+
+template <class T>
+bool tile_simd(const TileArgs& a, int64_t* bad_row) {
+  const int64_t steps = (a.k + T::KPER - 1) / T::KPER;
+  PackedTile t;
+  prepare_tile<T>(a, steps, t);
+  const uint8_t* pk = t.pk;
+  const int32_t* corr = t.corr;
+  const int32_t* colmap = t.colmap;
+  const float* wsp = t.wsp;
 
   constexpr int64_t CW = T::NV * T::VW;  // columns per micro-kernel call
   alignas(64) float cbuf[T::MR][kTileCols];
   typename T::Vec acc[T::MR][T::NV];
-  // Column chunks that hold real columns (SwiGLU tiles of narrow width skip the empty ones).
   bool live[kTileCols / CW];
-  for (int64_t ch = 0; ch < kTileCols / CW; ++ch) {
-    const int64_t first = ch * CW;
-    const int64_t seg_first = swiglu ? first % kHalfCols : first;
-    live[ch] = seg_first < a.width;
-  }
+  for (int64_t ch = 0; ch < kTileCols / CW; ++ch) live[ch] = chunk_live(a, ch, CW);
   for (int64_t r0 = 0; r0 < a.rows; r0 += T::MR) {
     const int mr = static_cast<int>(std::min<int64_t>(T::MR, a.rows - r0));
     const uint8_t* xp = a.xprep + r0 * a.xprep_stride;

@@ -34,6 +34,7 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
     if (group_list_type_ != 0 && group_list_type_ != 1)
       fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
                    group_list_type_);
+    grouped_matmul::advise_weight_pages(info, 1);
   }
 
   void compute(Ort::KernelContext& ctx) override {
