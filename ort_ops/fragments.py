@@ -170,6 +170,40 @@ def nvidia_pv_placement_naive() -> Placement:
     return Placement("nvidia_naive", "nvidia_m16n8k32", b, _nvidia_a_side(base_of))
 
 
+def nvidia_qk_decode_keys(target: MmaTarget | None = None) -> dict[tuple[int, int], int]:
+    """Warp-decode kernel (decode_warp_kernel in cuda.cu), Q.K side: column n of n-tile j
+    (j = 0..3 over a 32-key stage) is key 8 (n // 2) + 2j + n % 2. Returns (lane, j * 2 + e) ->
+    key for the lane's row-g accumulators D r0 / r1 (e = 0 / 1) of n-tile j, read off the
+    target's D table: lane (g, t) ends up with keys 8t .. 8t+7, the A slots it feeds to P.V."""
+    tgt = target or TARGETS["nvidia_m16n8k32"]
+    out = {}
+    for lane in range(32):
+        for j in range(4):
+            for e in range(2):
+                _row, col = tgt.d[lane][e]
+                out[(lane, 2 * j + e)] = 8 * (col // 2) + 2 * j + col % 2
+    return out
+
+
+def nvidia_pv_placement_warp_decode() -> Placement:
+    """The warp-decode kernel's P.V: a 32-key stage is one MMA (the tile's MMA i is stage i);
+    lane (g, t) reads V row g of keys 8t .. 8t+7 with one 8-byte read (B r0 = keys 8t..8t+3,
+    r1 = 8t+4..8t+7) and its A slots are the codes of its own Q.K keys (nvidia_qk_decode_keys)."""
+    qk = nvidia_qk_decode_keys()
+    b, base_of = {}, {}
+    for i in range(2):
+        for lane in range(32):
+            t = lane % 4
+            keys = [qk[(lane, k)] for k in range(8)]
+            if keys != list(range(8 * t, 8 * t + 8)):
+                raise ValueError(f"warp decode: lane {lane} holds keys {keys}, not {8 * t}..{8 * t + 7}")
+            for reg in range(2):
+                for byte in range(4):
+                    b[(i, lane, reg, byte)] = 32 * i + 8 * t + 4 * reg + byte
+            base_of[(i, t)] = 32 * i + 8 * t
+    return Placement("nvidia_warp_decode", "nvidia_m16n8k32", b, _nvidia_a_side(base_of))
+
+
 def gfx936_pv_placement() -> Placement:
     """The seed's gfx936 kernel: lane l takes 16 tokens 16 (l // 16).. of column l % 16 with one
     16-byte load; the first 8 go to MMA 0, the next 8 to MMA 1 (A reads the same tokens)."""

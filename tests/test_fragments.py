@@ -37,6 +37,23 @@ def test_cuda_kernel_groups_are_the_mma_k_sets():
     assert fr.check_scale_groups(pl, fr.CONSECUTIVE_GROUPS) == []
 
 
+def test_warp_decode_kernel_groups_are_the_mma_k_sets():
+    """decode_warp_kernel: each 32-key stage is one MMA and one W scale group; the Q.K column
+    permutation leaves lane (g, t) with keys 8t..8t+7, exactly what its 8-byte V read covers."""
+    pl = fr.nvidia_pv_placement_warp_decode()
+    assert fr.consumed_tokens(pl) == [frozenset(range(32)), frozenset(range(32, 64))]
+    assert fr.check_scale_groups(pl, fr.CONSECUTIVE_GROUPS) == []
+    # Without the permutation (column n of n-tile j = key 8j + n) lane t would hold keys
+    # 2t, 2t+1, 8+2t, ..: its codes no longer match the V bytes it reads, and the model says so.
+    a = {}
+    for i, lane, reg, byte in pl.a:
+        t = lane % 4
+        k = 4 * (reg >= 2) + byte  # the lane's k-th accumulator: n-tile k // 2, column 2t + k % 2
+        a[(i, lane, reg, byte)] = 32 * i + 8 * (k // 2) + 2 * t + k % 2
+    wrong = fr.Placement("warp_decode_unpermuted", pl.target, pl.b, a)
+    assert fr.check_scale_groups(wrong) != []
+
+
 def test_seed_bug_is_caught_on_gfx936():
     """The seed's first kernel: scales over logical 0-31 / 32-63 applied to the interleaved gfx936
     fragment. The check must fail; the seed's fix (groups = what each MMA owns) must pass."""

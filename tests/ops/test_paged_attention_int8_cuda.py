@@ -149,6 +149,10 @@ DECODE_CASES = [
     ([257, 33], 4, 4, 64, 64),
     ([700, 5], 16, 2, 256, 16),
     ([96, 2000], 32, 1, 128, 64),  # G = 32: two head tiles of 16 rows
+    # The warp-decode kernel (G <= 8, D 64 / 128): all 8 rows of its MMA used, blocks longer
+    # than a 32-key stage (both halves of a stage in one block), partial last stages.
+    ([500, 77, 1], 16, 2, 64, 128),
+    ([1300, 31], 8, 1, 128, 256),
 ]
 
 

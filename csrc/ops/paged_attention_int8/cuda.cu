@@ -161,6 +161,84 @@ __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of on
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// Four 32-bit words per 16-byte shared-memory read: w[0 .. 4N) from N consecutive uint4.
+template <int N>
+__device__ __forceinline__ void load_words(const unsigned char* src, uint32_t (&w)[4 * N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+    w[4 * i] = v.x;
+    w[4 * i + 1] = v.y;
+    w[4 * i + 2] = v.z;
+    w[4 * i + 3] = v.w;
+  }
+}
+
+// Loads lane quad index t's d slice (t * D/4 .. +D/4) of query row (token, head), zeros when
+// token < 0, and quantizes it bit-exactly as quantize_rows (the row's amax is reduced over the
+// 4 lanes of one g, so all 32 lanes must call): packed s8 codes in qa, the row scale in sq.
+// Returns false when the slice holds a NaN or Inf.
+template <int D>
+__device__ __forceinline__ bool quantize_q_slice(const PagedAttentionParams& p, int token, int head, int t,
+                                                 uint32_t (&qa)[D / 16], float& sq) {
+  float x[D / 4];
+  if (token >= 0) {
+    const int64_t base = (static_cast<int64_t>(token) * p.num_heads + head) * D + t * (D / 4);
+    if (p.query_fp16) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __half*>(p.query) + base);
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const uint4 v = src[i];
+        const __half* hv = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[8 * i + j] = __half2float(hv[j]);
+      }
+    } else {
+      const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + base);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        const float4 v = src[i];
+        x[4 * i] = v.x;
+        x[4 * i + 1] = v.y;
+        x[4 * i + 2] = v.z;
+        x[4 * i + 3] = v.w;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) x[i] = 0.0f;
+  }
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < D / 4; ++i) {
+    finite = finite && isfinite(x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  amax = warp_max4(amax);
+  const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  sq = __fdiv_rn(amax, 127.0f);
+#pragma unroll
+  for (int wd = 0; wd < D / 16; ++wd) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float q = fminf(fmaxf(rintf(__fmul_rn(x[4 * wd + b], inv)), -127.0f), 127.0f);
+      packed |= (static_cast<uint32_t>(static_cast<int>(q)) & 0xffu) << (8 * b);
+    }
+    qa[wd] = packed;
+  }
+  return finite;
+}
+
+// Writes (v0, v1) at element d of output row `row` (dtype of the query).
+__device__ __forceinline__ void store_out2(const PagedAttentionParams& p, int64_t row, int d, float v0, float v1) {
+  if (p.query_fp16)
+    *reinterpret_cast<__half2*>(static_cast<__half*>(p.output) + row * p.head_dim + d) = __floats2half2_rn(v0, v1);
+  else
+    *reinterpret_cast<float2*>(static_cast<float*>(p.output) + row * p.head_dim + d) = make_float2(v0, v1);
+}
+
 struct Work {
   int s, h, ht, qtile, split;
   int q_start, q_len, seq_len;
@@ -349,54 +427,7 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
 #pragma unroll
   for (int ri = 0; ri < kRi; ++ri) {
     lim[ri] = row_info(g + 8 * ri, qtok[ri], qhead[ri]);
-    float x[D / 4];
-    if (qtok[ri] >= 0) {
-      const int64_t base = (static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri]) * D + t * (D / 4);
-      if (p.query_fp16) {
-        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __half*>(p.query) + base);
-#pragma unroll
-        for (int i = 0; i < D / 32; ++i) {
-          const uint4 v = src[i];
-          const __half* hv = reinterpret_cast<const __half*>(&v);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) x[8 * i + j] = __half2float(hv[j]);
-        }
-      } else {
-        const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + base);
-#pragma unroll
-        for (int i = 0; i < D / 16; ++i) {
-          const float4 v = src[i];
-          x[4 * i] = v.x;
-          x[4 * i + 1] = v.y;
-          x[4 * i + 2] = v.z;
-          x[4 * i + 3] = v.w;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < D / 4; ++i) x[i] = 0.0f;
-    }
-    float amax = 0.0f;
-    bool finite = true;
-#pragma unroll
-    for (int i = 0; i < D / 4; ++i) {
-      finite = finite && isfinite(x[i]);
-      amax = fmaxf(amax, fabsf(x[i]));
-    }
-    if (!finite) atomicOr(p.status, kPaQueryNonFinite);
-    amax = warp_max4(amax);
-    const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-    sq[ri] = __fdiv_rn(amax, 127.0f);
-#pragma unroll
-    for (int wd = 0; wd < QW; ++wd) {
-      uint32_t packed = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const float q = fminf(fmaxf(rintf(__fmul_rn(x[4 * wd + b], inv)), -127.0f), 127.0f);
-        packed |= (static_cast<uint32_t>(static_cast<int>(q)) & 0xffu) << (8 * b);
-      }
-      qa[ri][wd] = packed;
-    }
+    if (!quantize_q_slice<D>(p, qtok[ri], qhead[ri], t, qa[ri], sq[ri])) atomicOr(p.status, kPaQueryNonFinite);
   }
 
   float o[NT][4];
@@ -434,15 +465,7 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const int nt = warp + kWarps * u;
       if (nt >= n8) break;  // warp-uniform
       uint32_t kw[QW];
-      const uint4* src = reinterpret_cast<const uint4*>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4));
-#pragma unroll
-      for (int i = 0; i < D / 64; ++i) {
-        const uint4 v = src[i];
-        kw[4 * i] = v.x;
-        kw[4 * i + 1] = v.y;
-        kw[4 * i + 2] = v.z;
-        kw[4 * i + 3] = v.w;
-      }
+      load_words<D / 64>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
       int acc[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int c = 0; c < D / 32; ++c)
@@ -649,10 +672,7 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const int d = dbase + 8 * jn + 2 * t;
       const float v0 = o[jn][2 * ri] * inv, v1 = o[jn][2 * ri + 1] * inv;
       if (ts.nsplit == 1) {
-        if (p.query_fp16)
-          *reinterpret_cast<__half2*>(static_cast<__half*>(p.output) + row * D + d) = __floats2half2_rn(v0, v1);
-        else
-          *reinterpret_cast<float2*>(static_cast<float*>(p.output) + row * D + d) = make_float2(v0, v1);
+        store_out2(p, row, d, v0, v1);
       } else {
         float* ws = static_cast<float*>(p.workspace);
         *reinterpret_cast<float2*>(ws + (row * ts.nsplit + w.split) * D + d) = make_float2(v0, v1);
@@ -666,40 +686,377 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
   }
 }
 
+// ---- decode with warp-independent key ranges (v7) ----
+// One CTA (DW warps) = one sequence x one kv head x one split of the keys, as above, but each
+// warp owns every DW-th 32-key stage of the split: its own cp.async ring of NS stages in a
+// private slice of shared memory, its own online-softmax state (m, l and O in registers), and
+// no CTA barrier until the warps merge by log-sum-exp at the end. A stage is exactly one W scale
+// group (32 key positions, 32-aligned since partitions are multiples of 32).
+//   Q.K  m16n8k32 s8, rows = the G query heads (lane (g, t) holds head g), 4 n-tiles of 8 keys.
+//        Column n of n-tile j is key 8 (n >> 1) + 2j + (n & 1), so the accumulators of lane
+//        (g, t) are keys 8t .. 8t+7 of head g: softmax, W and the codes stay in registers.
+//   P.V  m16n8k32 (s8 x s8 or u8 x s8): A slots 4t..4t+3 / 16+4t..16+4t+3 of lane (g, t) are
+//        its own keys 8t..8t+3 / 8t+4..8t+7 (the codes it just made), B is one 8-byte read of
+//        V row d at keys 8t..8t+7; every MMA's K set is the 32 keys of the stage = its group.
+// pv none: the same with W / max in fp16 on two m16n8k16 per stage (keys 8t..8t+3, 8t+4..8t+7).
+template <int D>
+struct WCfg {
+  static constexpr int DW = 4;                 // warps per CTA
+  static constexpr int NS = 3;                 // stages per warp ring (two in flight)
+  static constexpr int KS = D + 16;            // K row stride: the 8-lane phases of 16-byte reads hit distinct banks
+  static constexpr int K_OFF = 0;
+  static constexpr int V_OFF = 32 * KS;        // V [D][32], token innermost
+  static constexpr int SK_OFF = V_OFF + D * 32;
+  static constexpr int SV_OFF = SK_OFF + 128;
+  static constexpr int STAGE = SV_OFF + 128;
+  static constexpr int RING = NS * STAGE;
+  static constexpr int MISC = DW * RING;       // wm[DW][8], wl[DW][8], row_m[8], row_l[8]
+  static constexpr int BYTES = MISC + (2 * DW * 8 + 16) * 4;
+  static constexpr int OS = D + 8;             // float row stride of the merge buffer (aliases the ring)
+  static constexpr int MIN_BLOCKS = D <= 64 ? 3 : 2;
+  static_assert(8 * OS * 4 <= RING, "merge buffer fits the warp's ring");
+};
+static_assert(2 * (WCfg<128>::BYTES + 1024) <= 233472, "two warp-decode CTAs per SM (D 128)");
+
+template <int D, PvQuant PV>
+__global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
+    decode_warp_kernel(PagedAttentionParams p, TileShape ts) {
+  using C = WCfg<D>;
+  constexpr int DW = C::DW;
+  constexpr int NS = C::NS;
+  constexpr int QW = D / 16;                 // words of a row's d slice per lane
+  constexpr int NKC = 32 * D / 16 / 32;      // 16-byte K chunks per lane per stage
+  constexpr int NVC = D * 2 / 32;            // 16-byte V chunks per lane per stage
+  constexpr int KPR = D / 16;                // 16-byte chunks of one K row
+  constexpr bool kF16 = PV == PvQuant::kNone;
+  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
+  static_assert(NKC % 2 == 0 && 32 % KPR == 0, "stage shape");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
+  const int G = Hq / Hkv;
+  unsigned char* ring = smem + warp * C::RING;
+  float* wm = reinterpret_cast<float*>(smem + C::MISC);
+  float* wl = wm + DW * 8;
+  float* row_m = wl + DW * 8;
+  float* row_l = row_m + 8;
+
+  int64_t idx = blockIdx.x;
+  const int split = static_cast<int>(idx % ts.nsplit);
+  idx /= ts.nsplit;
+  const int h = static_cast<int>(idx % Hkv);
+  const int s = static_cast<int>(idx / Hkv);
+  const int partition = p.partition_size;
+  const int k_lo = split * ts.ppc * partition;
+  const int k_max = min(k_lo + ts.ppc * partition, p.max_blocks * B);  // the split's keys if seq_len allows
+
+  // This warp's stages: every DW-th 32-key stage of the split. (Pairs of consecutive stages per
+  // warp, so that one warp reads both halves of a 64-key block's V rows back to back, measured
+  // the same on the H200: 297 us at 32/16k either way.)
+  auto kp0_of = [&](int li) { return k_lo + 32 * (warp + DW * li); };
+  // Block ids: loaded raw (no check) NS stages ahead of use; the first NS before seq_len is known,
+  // so that those loads and the seq_lens load are in flight together (decode at batch 1 is a
+  // chain of dependent loads); checked where the stage is issued.
+  const int32_t* bt = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
+  const int lb = p.log2_block_size;
+  auto raw_ids = [&](int li, int& r0, int& r1) {
+    const int kp0 = kp0_of(li);
+    r0 = kp0 < k_max ? bt[kp0 >> lb] : -1;
+    r1 = B >= 32 ? r0 : (kp0 + 16 < k_max ? bt[(kp0 + 16) >> lb] : -1);
+  };
+  int rid0[NS], rid1[NS];
+#pragma unroll
+  for (int li = 0; li < NS; ++li) raw_ids(li, rid0[li], rid1[li]);
+
+  const int seq_len = p.seq_lens[s];
+  if (seq_len < 1 || seq_len > p.max_blocks * B || seq_len > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
+    if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
+    return;
+  }
+  const int k_hi = min(k_lo + ts.ppc * partition, seq_len);
+  const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
+  const int nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;  // this warp's stages
+
+  // ---- stage loads: data NS-1 stages ahead (cp.async) ----
+  const int64_t blk_stride = static_cast<int64_t>(Hkv) * B * D;
+  auto checked = [&](int b) -> int {  // a block id a visible position needs, or -1 (flagged)
+    if (b < 0 || b >= p.num_blocks) {
+      atomicOr(p.status, kPaBlockOutOfRange);
+      return -1;
+    }
+    return b;
+  };
+  const int kkey = lane / KPR, kpart = lane % KPR;  // K chunk i: key kkey + (32 / KPR) i
+  const int vd = lane >> 1, vhalf = lane & 1;       // V chunk i: row vd + 16 i, keys 16 vhalf ..
+  auto issue = [&](int li, int r0, int r1) {
+    if (li < nw) {
+      unsigned char* st = ring + (li % NS) * C::STAGE;
+      const int kp0 = kp0_of(li);
+      const int b0 = checked(r0);
+      const int b1 = kp0 + 16 >= k_hi ? -1 : (B >= 32 ? b0 : checked(r1));
+      const int pos0 = kp0 & (B - 1), pos1 = (kp0 + 16) & (B - 1);
+      const int8_t* kb0 = p.key_cache + (b0 < 0 ? 0 : b0 * blk_stride + (static_cast<int64_t>(h) * B + pos0) * D);
+      const int8_t* kb1 = p.key_cache + (b1 < 0 ? 0 : b1 * blk_stride + (static_cast<int64_t>(h) * B + pos1) * D);
+#pragma unroll
+      for (int i = 0; i < NKC; ++i) {
+        const int key = kkey + (32 / KPR) * i;
+        const bool hi = i >= NKC / 2;
+        const bool ok = (hi ? b1 : b0) >= 0;
+        const int8_t* src = (hi ? kb1 : kb0) + (ok ? (key & 15) * D + kpart * 16 : 0);
+        cp_async16(st + C::K_OFF + key * C::KS + kpart * 16, src, ok);
+      }
+      {
+        const int bv = vhalf ? b1 : b0;
+        const bool ok = bv >= 0;
+        const int8_t* src = p.value_cache + (ok ? bv * blk_stride + (static_cast<int64_t>(h) * D + vd) * B +
+                                                      (vhalf ? pos1 : pos0)
+                                                : 0);
+#pragma unroll
+        for (int i = 0; i < NVC; ++i)
+          cp_async16(st + C::V_OFF + (vd + 16 * i) * 32 + 16 * vhalf, ok ? src + 16 * i * B : src, ok);
+      }
+      if (lane < 16) {
+        const int key = 4 * (lane & 7);
+        const bool hi = key >= 16;
+        const int bs = hi ? b1 : b0;
+        const bool ok = bs >= 0;
+        const float* base = lane >= 8 ? p.value_scale : p.key_scale;
+        const float* src = base + (ok ? (static_cast<int64_t>(bs) * Hkv + h) * B + (hi ? pos1 : pos0) + (key & 15) : 0);
+        cp_async16(st + (lane >= 8 ? C::SV_OFF : C::SK_OFF) + key * 4, src, ok);
+      }
+    }
+    cp_async_commit();  // empty past the warp's stages: wait_group keeps counting stages
+  };
+
+#pragma unroll
+  for (int li = 0; li < NS - 1; ++li) issue(li, rid0[li], rid1[li]);
+  int nb0 = rid0[NS - 1], nb1 = rid1[NS - 1];  // raw ids of the next stage to issue
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the merge may launch (it waits)
+#endif
+
+  // ---- Q: this lane's d slice of head g (bit-exact with quantize_rows) ----
+  const bool row_ok = g < G;
+  const int head = h * G + g;
+  uint32_t qa[QW];
+  float sq;
+  if (!quantize_q_slice<D>(p, row_ok ? s : -1, head, t, qa, sq) && warp == 0) atomicOr(p.status, kPaQueryNonFinite);
+
+  float o[D / 8][2];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = 0.0f;
+  float m_run = kNegInf, l_run = 0.0f;
+  const float scale = p.scale;
+  // Row of n-tile j's B fragment this lane reads: key 8 (g >> 1) + 2j + (g & 1).
+  const int krow0 = 8 * (g >> 1) + (g & 1);
+
+  for (int i = 0; i < nw; ++i) {
+    issue(i + NS - 1, nb0, nb1);
+    raw_ids(i + NS, nb0, nb1);
+    cp_async_wait<NS - 1>();  // stage i has landed
+    __syncwarp();
+    const unsigned char* st = ring + (i % NS) * C::STAGE;
+    const int kp0 = kp0_of(i);
+    const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
+
+    // ---- Q.K: lane (g, t) gets keys 8t .. 8t+7 of head g ----
+    int acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+      uint32_t kw[QW];
+      load_words<D / 64>(st + C::K_OFF + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) mma_i8<false>(acc[j], qa[2 * c], 0u, qa[2 * c + 1], 0u, kw[2 * c], kw[2 * c + 1]);
+    }
+    const float4 sk0 = *reinterpret_cast<const float4*>(st + C::SK_OFF + 32 * t);
+    const float4 sk1 = *reinterpret_cast<const float4*>(st + C::SK_OFF + 32 * t + 16);
+    const float4 sv0 = *reinterpret_cast<const float4*>(st + C::SV_OFF + 32 * t);
+    const float4 sv1 = *reinterpret_cast<const float4*>(st + C::SV_OFF + 32 * t + 16);
+    const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
+    const float svv[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
+    float sc[8];
+    float mp = kNegInf;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const bool ok = row_ok && 8 * t + k < lim_rel;
+      sc[k] = ok ? ((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale : kNegInf;
+      mp = fmaxf(mp, sc[k]);
+    }
+    mp = warp_max4(mp);
+    const float mn = fmaxf(m_run, mp);
+    const float alpha = m_run == kNegInf ? 0.0f : __expf(m_run - mn);
+    const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
+    m_run = mn;
+    float wv[8];
+    float esum = 0.0f, gmax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const bool ok = row_ok && 8 * t + k < lim_rel;
+      const float e = ok ? __expf(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
+      esum += e;
+      wv[k] = ok ? e * svv[k] : 0.0f;
+      gmax = fmaxf(gmax, wv[k]);
+    }
+    gmax = warp_max4(gmax);
+    l_run = alpha * l_run + beta * esum;
+
+    // ---- P.V: codes of keys 8t..8t+7 are this lane's A slots; V row d read as 8 bytes ----
+    const unsigned char* v_sm = st + C::V_OFF;
+    if constexpr (kF16) {
+      uint32_t a[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __half2 hv = __floats2half2_rn(gmax > 0.0f ? __fdiv_rn(wv[2 * k], gmax) : 0.0f,
+                                             gmax > 0.0f ? __fdiv_rn(wv[2 * k + 1], gmax) : 0.0f);
+        a[k] = *reinterpret_cast<const uint32_t*>(&hv);
+      }
+      const float gs = gmax * beta;
+#pragma unroll
+      for (int jn = 0; jn < D / 8; ++jn) {
+        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * 32 + 8 * t);
+        uint32_t h0, h1, h2, h3;
+        s8x4_to_half2x2(x.x, h0, h1);
+        s8x4_to_half2x2(x.y, h2, h3);
+        float pacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_f16(pacc, a[0], 0u, a[1], 0u, h0, h1);  // keys 8t..8t+3
+        mma_f16(pacc, a[2], 0u, a[3], 0u, h2, h3);  // keys 8t+4..8t+7
+        o[jn][0] = fmaf(gs, pacc[0], o[jn][0] * alpha);
+        o[jn][1] = fmaf(gs, pacc[1], o[jn][1] * alpha);
+      }
+    } else {
+      const float inv = gmax > 0.0f ? __fdiv_rn(kLevels, gmax) : 0.0f;
+      uint32_t pk[2] = {0u, 0u};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float q = fminf(rintf(__fmul_rn(wv[k], inv)), kLevels);
+        pk[k >> 2] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (k & 3));
+      }
+      const float gs = __fdiv_rn(gmax, kLevels) * beta;
+#pragma unroll
+      for (int jn = 0; jn < D / 8; ++jn) {
+        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * 32 + 8 * t);
+        int pacc[4] = {0, 0, 0, 0};
+        mma_i8<PV == PvQuant::kU8>(pacc, pk[0], 0u, pk[1], 0u, x.x, x.y);
+        o[jn][0] = fmaf(gs, static_cast<float>(pacc[0]), o[jn][0] * alpha);
+        o[jn][1] = fmaf(gs, static_cast<float>(pacc[1]), o[jn][1] * alpha);
+      }
+    }
+    __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps by log-sum-exp, then write O / l (and m, l for the split merge) ----
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  if (t == 0) {
+    wm[warp * 8 + g] = m_run;
+    wl[warp * 8 + g] = l_run;
+  }
+  __syncthreads();
+  float M = kNegInf;
+#pragma unroll
+  for (int w2 = 0; w2 < DW; ++w2)
+    if (wl[w2 * 8 + g] > 0.0f) M = fmaxf(M, wm[w2 * 8 + g]);
+  float L = 0.0f;
+#pragma unroll
+  for (int w2 = 0; w2 < DW; ++w2) {
+    const float l2 = wl[w2 * 8 + g];
+    if (l2 > 0.0f) L += l2 * __expf(wm[w2 * 8 + g] - M);
+  }
+  const float f = l_run > 0.0f ? __expf(m_run - M) : 0.0f;
+  float* ob = reinterpret_cast<float*>(ring);  // this warp's ring is free (all its copies landed)
+#pragma unroll
+  for (int jn = 0; jn < D / 8; ++jn)
+    *reinterpret_cast<float2*>(ob + g * C::OS + 8 * jn + 2 * t) = make_float2(f * o[jn][0], f * o[jn][1]);
+  if (warp == 0 && t == 0) {
+    row_m[g] = M;
+    row_l[g] = L;
+  }
+  __syncthreads();
+  for (int e = tid; e < 8 * (D / 4); e += 32 * DW) {
+    const int r = e / (D / 4), d = 4 * (e % (D / 4));
+    if (r >= G) break;
+    float4 acc4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w2 = 0; w2 < DW; ++w2) {
+      const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(smem + w2 * C::RING) + r * C::OS + d);
+      acc4.x += v.x;
+      acc4.y += v.y;
+      acc4.z += v.z;
+      acc4.w += v.w;
+    }
+    const float l = row_l[r];
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t row = static_cast<int64_t>(s) * Hq + h * G + r;
+    const float4 v = make_float4(acc4.x * inv, acc4.y * inv, acc4.z * inv, acc4.w * inv);
+    if (ts.nsplit == 1) {
+      store_out2(p, row, d, v.x, v.y);
+      store_out2(p, row, d + 2, v.z, v.w);
+    } else {
+      float* ws = static_cast<float*>(p.workspace);
+      *reinterpret_cast<float4*>(ws + (row * ts.nsplit + split) * D + d) = v;
+      if (d == 0) {
+        float2* ml = reinterpret_cast<float2*>(ws + static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
+        ml[row * ts.nsplit + split] = make_float2(row_m[r], l);
+      }
+    }
+  }
+}
+
 // Combines the splits of each (token, head) row: weights l_i exp(m_i - max m).
 template <int D>
 __global__ void merge_splits_kernel(PagedAttentionParams p, int nsplit) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent (sm_90): resident early, it waits here until the
+  // attention grid has finished and its writes are visible.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int64_t row = blockIdx.x;
   const float* ws = static_cast<const float*>(p.workspace);
-  const float2* ml = reinterpret_cast<const float2*>(ws + static_cast<int64_t>(p.num_tokens) * p.num_heads * nsplit * D);
+  const float2* ml = reinterpret_cast<const float2*>(ws + static_cast<int64_t>(p.num_tokens) * p.num_heads * nsplit * D) +
+                     row * nsplit;
+  // Unrolled so that eight splits' loads are in flight at once (at batch 1 / 16k there are 16-64
+  // splits a row and the loop was a chain of dependent L2 round trips).
   float mx = kNegInf;
+#pragma unroll 8
   for (int i = 0; i < nsplit; ++i) {
-    const float2 v = ml[row * nsplit + i];
-    if (v.y > 0.0f) mx = fmaxf(mx, v.x);
+    const float2 v = ml[i];
+    mx = v.y > 0.0f ? fmaxf(mx, v.x) : mx;
   }
   const int d = 4 * threadIdx.x;
+  const float4* x4 = reinterpret_cast<const float4*>(ws + row * nsplit * D + d);
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float wsum = 0.0f;
+#pragma unroll 8
   for (int i = 0; i < nsplit; ++i) {
-    const float2 v = ml[row * nsplit + i];
-    if (!(v.y > 0.0f)) continue;
-    const float wt = v.y * expf(v.x - mx);
-    wsum += wt;
-    const float4 x = *reinterpret_cast<const float4*>(ws + (row * nsplit + i) * D + d);
-    acc.x += wt * x.x;
-    acc.y += wt * x.y;
-    acc.z += wt * x.z;
-    acc.w += wt * x.w;
+    const float2 v = ml[i];
+    const float4 x = x4[i * (D / 4)];
+    if (v.y > 0.0f) {  // a split that saw no key wrote l = 0 (its O is not read)
+      const float wt = v.y * expf(v.x - mx);
+      wsum += wt;
+      acc.x += wt * x.x;
+      acc.y += wt * x.y;
+      acc.z += wt * x.z;
+      acc.w += wt * x.w;
+    }
   }
   const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-  if (p.query_fp16) {
-    __half2* out = reinterpret_cast<__half2*>(static_cast<__half*>(p.output) + row * D + d);
-    out[0] = __floats2half2_rn(acc.x * inv, acc.y * inv);
-    out[1] = __floats2half2_rn(acc.z * inv, acc.w * inv);
-  } else {
-    *reinterpret_cast<float4*>(static_cast<float*>(p.output) + row * D + d) =
-        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  store_out2(p, row, d, acc.x * inv, acc.y * inv);
+  store_out2(p, row, d + 2, acc.z * inv, acc.w * inv);
+}
+
+int sm_major() {  // of the current device, cached per device
+  static int major[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (major[dev] == 0) {
+    int m = 0;
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return 0;
+    major[dev] = m;
   }
+  return major[dev];
 }
 
 int sm_count() {
@@ -727,12 +1084,27 @@ int resident_ctas(int head_dim, bool rows16, bool fp16_codes) {
   }
 }
 
-TileShape tile_shape(const PagedAttentionParams& p) {
+// Decode launches (no cu_seqlens_q) with G <= 8 and D 64 / 128 run decode_warp_kernel. A
+// launch with cu_seqlens_q never does (that kernel does not check it), so the workspace for
+// max_q_len == 1 and T == S is sized for both (the caller does not say whether cu comes).
+bool warp_decode_shape(const PagedAttentionParams& p) {
+  return p.max_q_len == 1 && p.num_tokens == p.num_seqs && p.num_heads / p.num_kv_heads <= 8 &&
+         (p.head_dim == 64 || p.head_dim == 128);
+}
+bool use_warp_decode(const PagedAttentionParams& p) { return p.cu_seqlens_q == nullptr && warp_decode_shape(p); }
+
+int warp_resident_ctas(int head_dim) {
+  const int bytes = head_dim == 64 ? WCfg<64>::BYTES : WCfg<128>::BYTES;
+  const int by_regs = head_dim == 64 ? WCfg<64>::MIN_BLOCKS : WCfg<128>::MIN_BLOCKS;
+  return std::max(1, std::min(by_regs, 233472 / (bytes + 1024)));
+}
+
+TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
   TileShape ts;
   const int G = p.num_heads / p.num_kv_heads;
-  ts.hpt = std::min(G, kRows);
-  ts.n_ht = (G + kRows - 1) / kRows;
-  ts.qpt = std::max(1, std::min(kRows / ts.hpt, p.max_q_len));
+  ts.hpt = warp_decode ? G : std::min(G, kRows);
+  ts.n_ht = warp_decode ? 1 : (G + kRows - 1) / kRows;
+  ts.qpt = warp_decode ? 1 : std::max(1, std::min(kRows / ts.hpt, p.max_q_len));
   ts.n_qt = (p.max_q_len + ts.qpt - 1) / ts.qpt;
   const int partition = p.partition_size;
   const int nparts = std::max(1, (p.max_context + partition - 1) / partition);
@@ -741,7 +1113,8 @@ TileShape tile_shape(const PagedAttentionParams& p) {
     // Pick the split count by a wave model: CTAs resident at once (shared memory bound, 228 KB
     // per SM), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys). Fewer splits
     // win ties: each extra split costs a partial-output write and read plus the merge.
-    const int per_sm = resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
+    const int per_sm = warp_decode ? warp_resident_ctas(p.head_dim)
+                                   : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
     const int64_t conc = static_cast<int64_t>(sm_count()) * per_sm;
     const int64_t base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.n_qt;
     int64_t best_cost = -1;
@@ -769,17 +1142,38 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
   const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.nsplit * ts.n_qt;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (ctas == 0) return cudaSuccess;
-  auto kernel = rows_used > 8 ? paged_attention_kernel<D, PV, true> : paged_attention_kernel<D, PV, false>;
-  if (bytes > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
+  if constexpr (D <= 128) {
+    if (use_warp_decode(p)) {
+      auto kernel = decode_warp_kernel<D, PV>;
+      const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WCfg<D>::BYTES);
+      if (attr != cudaSuccess) return attr;
+      kernel<<<static_cast<unsigned>(ctas), 32 * WCfg<D>::DW, WCfg<D>::BYTES, stream>>>(p, ts);
+    }
   }
-  kernel<<<static_cast<unsigned>(ctas), Cfg<D, 8>::THREADS, bytes, stream>>>(p, ts);
+  if (!(D <= 128 && use_warp_decode(p))) {
+    auto kernel = rows_used > 8 ? paged_attention_kernel<D, PV, true> : paged_attention_kernel<D, PV, false>;
+    if (bytes > 48 * 1024) {
+      cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      if (err != cudaSuccess) return err;
+    }
+    kernel<<<static_cast<unsigned>(ctas), Cfg<D, 8>::THREADS, bytes, stream>>>(p, ts);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || ts.nsplit == 1) return err;
-  merge_splits_kernel<D><<<static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads), D / 4, 0, stream>>>(
-      p, ts.nsplit);
-  return cudaGetLastError();
+  // The merge is a programmatic dependent launch where the GPU has it (sm_90): its launch
+  // overlaps the attention grid's tail instead of following it (a few us at batch 1).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads));
+  cfg.blockDim = dim3(D / 4);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (sm_major() >= 9) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, merge_splits_kernel<D>, p, ts.nsplit);
 }
 
 template <int D>
@@ -805,13 +1199,18 @@ const char* paged_attention_unsupported(const PagedAttentionParams& p) {
   return nullptr;
 }
 
-int paged_attention_num_splits(const PagedAttentionParams& p) { return tile_shape(p).nsplit; }
+int paged_attention_num_splits(const PagedAttentionParams& p) {
+  return tile_shape(p, p.cu_seqlens_q == nullptr && warp_decode_shape(p)).nsplit;
+}
 
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
-  const TileShape ts = tile_shape(p);
-  if (ts.nsplit == 1) return 0;
-  const size_t rows = static_cast<size_t>(p.num_tokens) * p.num_heads * ts.nsplit;
-  return rows * p.head_dim * sizeof(float) + rows * 2 * sizeof(float);
+  auto bytes = [&](const TileShape& ts) -> size_t {
+    if (ts.nsplit == 1) return 0;
+    const size_t rows = static_cast<size_t>(p.num_tokens) * p.num_heads * ts.nsplit;
+    return rows * p.head_dim * sizeof(float) + rows * 2 * sizeof(float);
+  };
+  const size_t general = bytes(tile_shape(p, false));
+  return warp_decode_shape(p) ? std::max(general, bytes(tile_shape(p, true))) : general;
 }
 
 cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStream_t stream) {
@@ -819,7 +1218,7 @@ cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStrea
   // question before it has allocated the word (the first real CUDA-EP session found this).
   if (paged_attention_unsupported(p) != nullptr || p.status == nullptr) return cudaErrorInvalidValue;
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
-  const TileShape ts = tile_shape(p);
+  const TileShape ts = tile_shape(p, use_warp_decode(p));
   if (ts.nsplit > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   PagedAttentionParams q = p;
   q.log2_block_size = 0;
