@@ -88,6 +88,11 @@ struct Kernels {
   int64_t gemv_group = 0;
   int64_t prep_pad_rows = 0;  // rows the tile may read past the last prepared one (zeroed)
   int64_t gemv_rows = kGemvRows;  // experts of at most this many rows take the few-row path
+  // Panels (nullptr: none): experts of gemv_rows < rows <= panel_rows run as one task per
+  // column part over all of K: TileArgs with col0/width the part's columns (SwiGLU: of A, G
+  // at n/2 + col0; col0 a multiple of 64), any width.
+  TileFn panel = nullptr;
+  int64_t panel_rows = 0;
 };
 
 bool tile_scalar(const TileArgs& a, int64_t* bad_row);
@@ -98,6 +103,13 @@ bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row);
 // rows (k padded to 64) and kAmxPadRows readable rows past the last one.
 bool tile_amx(const TileArgs& a, int64_t* bad_row);
 constexpr int64_t kAmxPadRows = 32;
+// AMX panel: the weight rows of an expert are read in order, kPanelK at a time, every column of
+// the part packed from 4 rows swept left to right (sequential streams the hardware prefetchers
+// follow, unlike a tile's short strided segments); the int32 sums of all the rows stay in a
+// thread buffer ([rows][columns], rows <= kAmxPanelRows) between slabs.
+bool panel_amx(const TileArgs& a, int64_t* bad_row);
+constexpr int64_t kAmxPanelRows = 64;
+constexpr int64_t kPanelK = 256;
 // True when the CPU has AMX-TILE and AMX-INT8, the OS enables the tile state (XCR0) and lets
 // this process use it (Linux arch_prctl ARCH_REQ_XCOMP_PERM); asked once per process.
 // ORT_OPS_CPU_AMX=0 turns AMX off (read each time a kernel is created, like ORT_OPS_CPU_ISA).

@@ -3,6 +3,7 @@
 // Same x + 128 / column-sum correction as cpu_avxvnni.cc; 6 rows x 64 columns per micro-kernel
 // (24 of the 32 zmm registers hold accumulators). Only this file gets AVX-512 flags.
 #include <cstring>
+#include <type_traits>
 
 #include "ops/grouped_matmul/tile_simd.h"
 
@@ -150,6 +151,131 @@ ORT_OPS_AMX bool tile_amx(const TileArgs& a, int64_t* bad_row) {
   }
   _tile_release();
   return ok;
+}
+
+ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
+  using T = Avx512VnniTraits;
+  constexpr int64_t kPanelPrefetchRows = 8;
+  constexpr int64_t G = T::PACK_G;
+  const bool swiglu = a.mode == Mode::kSwiglu;
+  const int nseg = swiglu ? 2 : 1;
+  const int64_t seg_col[2] = {a.col0, a.n / 2 + a.col0};
+  const int64_t wpad = (a.width + G - 1) / G * G;  // packed columns per segment
+  const int64_t cols = nseg * wpad;
+  const int64_t rows_pad = (a.rows + 31) / 32 * 32;  // AMX stores whole 16-row tiles
+  const int64_t ldb = cols * 4;                      // bytes per packed step of the slab
+  auto aligned = [](auto& v, size_t n) {
+    if (v.size() < n + 64) v.resize(n + 64);
+    using E = typename std::remove_reference_t<decltype(v)>::value_type;
+    return reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
+  };
+  thread_local std::vector<uint8_t> slab_v;
+  thread_local std::vector<int32_t> acc_v, int_v;
+  thread_local std::vector<float> flt_v;
+  uint8_t* slab = aligned(slab_v, static_cast<size_t>(kPanelK / 4 * ldb));
+  int32_t* acc = aligned(acc_v, static_cast<size_t>(rows_pad * cols));
+  int32_t* ints = aligned(int_v, static_cast<size_t>(2 * cols));
+  int32_t* colsum = ints;  // sum_k W per packed column (VNNI's x + 128 correction, times 128 later)
+  int32_t* colmap = ints + cols;
+  float* flts = aligned(flt_v, static_cast<size_t>(3 * cols));
+  float* wsp = flts;            // weight scale per packed column (0 for padding)
+  float* cpk = flts + cols;     // one row's C in packed order
+  float* cnat = flts + 2 * cols;  // the same in natural order
+  std::fill(colsum, colsum + cols, 0);
+
+  AmxConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) int8_t tmp[4][G];
+  for (int64_t k0 = 0; k0 < a.k; k0 += kPanelK) {
+    const int64_t ktiles = (std::min(kPanelK, a.k - k0) + 63) / 64;
+    for (int64_t s = 0; s < ktiles * 16; ++s) {  // steps past k are zeros
+      const int64_t k = k0 + s * 4;
+      uint8_t* dst = slab + s * ldb;
+      for (int sg = 0; sg < nseg; ++sg)
+        for (int64_t g = 0; g < wpad; g += G) {
+          const int8_t* rp[4];
+          for (int i = 0; i < 4; ++i) {
+            if (k + i < a.k) {
+              rp[i] = safe_cols<G>(a.w + (k + i) * a.n + seg_col[sg] + g, a.width - g, tmp[i]);
+            } else {
+              std::memset(tmp[i], 0, G);
+              rp[i] = tmp[i];
+            }
+          }
+          __m512i v[4];
+          T::pack_regs(rp, v);
+          const int64_t pc = sg * wpad + g;
+          // Two steps ahead into L2 (measured 5-10% over the hardware prefetchers alone).
+          for (int i = 0; i < 4; ++i)
+            if (k + kPanelPrefetchRows + i < a.k)
+              _mm_prefetch(reinterpret_cast<const char*>(a.w + (k + kPanelPrefetchRows + i) * a.n + seg_col[sg] + g),
+                           _MM_HINT_T1);
+          for (int j = 0; j < 4; ++j) {
+            T::store(dst + (pc + j * 16) * 4, v[j]);
+            int32_t* cs = colsum + pc + j * 16;
+            T::store(cs, T::colsum_add(T::load(reinterpret_cast<const uint8_t*>(cs)), v[j]));
+          }
+        }
+    }
+    for (int64_t rb = 0; rb < a.rows; rb += 32) {
+      const bool two = a.rows - rb > 16;
+      const uint8_t* xp = a.xprep + rb * a.xprep_stride + k0;  // quads: byte offset = k
+      for (int64_t ch = 0; ch < cols; ch += 32) {
+        int32_t* c = acc + rb * cols + ch;
+        if (k0 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, c, ldb);
+          _tile_loadd(1, c + 16, ldb);
+          _tile_loadd(2, c + 16 * cols, ldb);
+          _tile_loadd(3, c + 16 * cols + 16, ldb);
+        }
+        const uint8_t* bp = slab + ch * 4;
+        for (int64_t t = 0; t < ktiles; ++t) {
+          _tile_loadd(4, xp + t * 64, a.xprep_stride);
+          _tile_loadd(6, bp + t * 16 * ldb, ldb);
+          _tile_loadd(7, bp + t * 16 * ldb + 64, ldb);
+          _tile_dpbusd(0, 4, 6);
+          _tile_dpbusd(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, xp + 16 * a.xprep_stride + t * 64, a.xprep_stride);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c, ldb);
+        _tile_stored(1, c + 16, ldb);
+        _tile_stored(2, c + 16 * cols, ldb);
+        _tile_stored(3, c + 16 * cols + 16, ldb);
+      }
+    }
+  }
+  _tile_release();
+
+  // Epilogue: the tile path's operations (store_c, then finish_row) over the part's columns.
+  for (int64_t p = 0; p < cols; ++p) {
+    const int64_t q = p % wpad, j = (q / G) * G + T::perm(q % G);
+    colmap[p] = static_cast<int32_t>((p / wpad) * wpad + j);
+    wsp[p] = j < a.width ? a.w_scale[seg_col[p / wpad] + j] : 0.0f;
+    colsum[p] = static_cast<int32_t>(static_cast<uint32_t>(colsum[p]) << 7);
+  }
+  for (int64_t r = 0; r < a.rows; ++r) {
+    for (int64_t p = 0; p < cols; p += 16)
+      T::store_c(T::load(reinterpret_cast<const uint8_t*>(acc + r * cols + p)), colsum + p, a.x_scale[r], wsp + p,
+                 cpk + p);
+    if (!finish_row_n(a, cpk, colmap, a.out + r * a.ldo, cols, wpad, cnat)) {
+      *bad_row = r;
+      return false;
+    }
+  }
+  return true;
 }
 
 bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row) {

@@ -118,6 +118,8 @@ Kernels kernels_for(CpuIsa isa) {
           // With AMX the tiles' arithmetic is nearly free and only their packing reads remain:
           // they beat the few-row path from 3 rows an expert (1 thread, 2 MB weight pages).
           k.gemv_rows = 2;
+          k.panel = panel_amx;
+          k.panel_rows = kAmxPanelRows;
           return k;
         }
       }

@@ -138,7 +138,9 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   // Few-row experts (memory-bound) go through K-split partial sums over whole weight rows;
   // the others through column tiles that reuse each packed tile for all their rows.
   struct Tile {
-    int64_t e, r0, r1, tile;
+    int64_t e, r0, r1;
+    int64_t col0, width;  // columns (SwiGLU: of A)
+    bool panel;           // kern.panel over all of K, else kern.tile
   };
   struct Gemv {
     int64_t e, r0, r1;
@@ -157,21 +159,42 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   const int64_t n_pad = use_gemv ? (p.n + kern.gemv_group - 1) / kern.gemv_group * kern.gemv_group : 0;
   const int64_t kblocks = (p.k + kGemvBlockK - 1) / kGemvBlockK;
   size_t partial_ints = 0;
+  std::vector<int64_t> chunk_tasks;
+  auto is_gemv = [&](int64_t rows) { return use_gemv && rows > 0 && rows <= kern.gemv_rows; };
+  auto is_panel = [&](int64_t rows) {
+    return kern.panel != nullptr && p.k > 0 && !is_gemv(rows) && rows > 0 && rows <= kern.panel_rows;
+  };
+  // Panels split their columns into parts so that a few of them still spread over the pool.
+  int64_t panel_experts = 0;
+  for (int64_t e = 0, start = 0; e < p.e; start = p.ends[static_cast<size_t>(e)], ++e)
+    panel_experts += is_panel(p.ends[static_cast<size_t>(e)] - start) ? 1 : 0;
+  const int64_t parts = panel_experts ? std::min<int64_t>(4, (4 + panel_experts - 1) / panel_experts) : 1;
+  const int64_t part_w = ((cols + parts - 1) / parts + 63) / 64 * 64;
   int64_t start = 0;
   for (int64_t e = 0; e < p.e; ++e) {
     const int64_t end = p.ends[static_cast<size_t>(e)];
-    if (use_gemv && end > start && end - start <= kern.gemv_rows) {
+    if (is_gemv(end - start)) {
       gemvs.push_back({e, start, end, partial_ints, chunks.size()});
       chunks.push_back({static_cast<int64_t>(gemvs.size()) - 1, start, end});
+      chunk_tasks.push_back(kblocks);
       partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));
+    } else if (is_panel(end - start)) {
+      int64_t tasks = 0;
+      for (int64_t c0 = 0; c0 < cols; c0 += part_w, ++tasks) {
+        tiles.push_back({e, start, end, c0, std::min(part_w, cols - c0), true});
+        tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
+      }
+      chunks.push_back({-1, start, end});
+      chunk_tasks.push_back(tasks);
     } else {
       for (int64_t r0 = start; r0 < end; r0 += kRowChunk) {  // empty experts add no task
         const int64_t r1 = std::min(end, r0 + kRowChunk);
         for (int64_t t = 0; t < col_tiles; ++t) {
-          tiles.push_back({e, r0, r1, t});
+          tiles.push_back({e, r0, r1, t * tile_w, std::min(tile_w, cols - t * tile_w), false});
           tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
         }
         chunks.push_back({-1, r0, r1});
+        chunk_tasks.push_back(col_tiles);
       }
     }
     start = end;
@@ -182,7 +205,7 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   // chunk's epilogue: the few-row finish, then rows_done. No barrier between the phases.
   std::unique_ptr<int32_t[]> partials(partial_ints ? new int32_t[partial_ints] : nullptr);
   std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[chunks.size() + 1]);
-  for (size_t c = 0; c < chunks.size(); ++c) pending[c].store(chunks[c].gemv >= 0 ? kblocks : col_tiles);
+  for (size_t c = 0; c < chunks.size(); ++c) pending[c].store(chunk_tasks[c]);
   std::atomic<int64_t> bad_row{-1};
   auto report = [&](int64_t row) {
     int64_t expected = -1;
@@ -247,12 +270,12 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       a.w = p.w + t.e * p.k * p.n;
       a.x_scale = p.x_scale + t.r0;
       a.w_scale = p.w_scale + t.e * p.n;
-      a.col0 = t.tile * tile_w;
-      a.width = std::min(tile_w, cols - a.col0);
+      a.col0 = t.col0;
+      a.width = t.width;
       a.out = out + t.r0 * ldo + a.col0;
       a.ldo = ldo;
       int64_t row = -1;
-      if (!kern.tile(a, &row)) report(t.r0 + row);
+      if (!(t.panel ? kern.panel : kern.tile)(a, &row)) report(t.r0 + row);
     }
     if (pending[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) finish_chunk(chunks[chunk]);
   });

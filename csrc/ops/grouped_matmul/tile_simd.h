@@ -157,17 +157,19 @@ inline __m256 not_finite8(__m256 v) {
   return _mm256_cmp_ps(abs, _mm256_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
 }
 
-// One row's epilogue from its dequantized C [kTileCols] in packed order (padding columns are 0).
-inline bool finish_row(const TileArgs& a, const float* packed, const int32_t* colmap, float* out) {
-  alignas(32) float c[kTileCols];
-  for (int64_t p = 0; p < kTileCols; ++p) c[colmap[p]] = packed[p];
+// One row's epilogue from its dequantized C [cols] in packed order (padding columns are 0):
+// colmap[p] is the natural position of packed column p, the G segment (SwiGLU) starts at
+// natural position `pitch`; c is scratch of cols floats.
+inline bool finish_row_n(const TileArgs& a, const float* packed, const int32_t* colmap, float* out,
+                         int64_t cols, int64_t pitch, float* c) {
+  for (int64_t p = 0; p < cols; ++p) c[colmap[p]] = packed[p];
   if (a.mode == Mode::kDequant) {
     std::memcpy(out, c, static_cast<size_t>(a.width) * sizeof(float));
     return true;
   }
   __m256 bad = _mm256_setzero_ps();
   for (int64_t j = 0; j < a.width; j += 8) {
-    const __m256 av = _mm256_loadu_ps(c + j), gv = _mm256_loadu_ps(c + kHalfCols + j);
+    const __m256 av = _mm256_loadu_ps(c + j), gv = _mm256_loadu_ps(c + pitch + j);
     bad = _mm256_or_ps(bad, _mm256_or_ps(not_finite8(av), not_finite8(gv)));
     const __m256 s = swiglu8(av, gv);
     if (a.width - j >= 8) {
@@ -179,6 +181,12 @@ inline bool finish_row(const TileArgs& a, const float* packed, const int32_t* co
     }
   }
   return _mm256_movemask_ps(bad) == 0;  // padding lanes hold 0: never flagged
+}
+
+// The same for a tile's kTileCols packed columns (G at kHalfCols).
+inline bool finish_row(const TileArgs& a, const float* packed, const int32_t* colmap, float* out) {
+  alignas(32) float c[kTileCols];
+  return finish_row_n(a, packed, colmap, out, kTileCols, kHalfCols, c);
 }
 
 inline uint8_t* thread_buffer(size_t bytes) {
