@@ -16,8 +16,15 @@ interface) and runs on ORT's CPU EP with the same intra-op thread count:
 Reported: median and p90 ms over --repeats runs after warm-up, the ratio of the fastest stock
 path (MoE / QMoE / plain ONNX) to ours, and one correctness check before timing: each model's
 relative L2 against the float64 numpy layer (ort_ops.ops.moe_layer.moe_layer_float) on T <= 16.
-Models over 2 GB keep their weights as external data in a temporary directory. The machine is
-shared: run it quietly for numbers that mean something. Benchmarks never assert.
+Memory ceiling per row: "MB" is the INT8 expert weights the routing touches (every path must
+read at least these bytes once: QMoE's 8-bit weights are the same size), "GB/s" ours over them,
+and "floor" the time to read them at this machine's streaming-read rate with the same thread
+count (numpy reductions over a buffer as large as all the layer's weights, measured before each
+expert config), so "best / floor" is the largest speedup over the best stock path any kernel
+could reach here.
+Models over 2 GB keep their weights as external data in a temporary directory. All of a config's
+sessions are alive at once and take turns run by run (the machine is shared: a slow spell then
+hits every path alike; still, run it quietly for absolute numbers). Benchmarks never assert.
 
     python benchmarks/bench_moe.py [--experts 8x2,64x8] [--tokens 1,16,128,512] [--repeats 5]
                                    [--threads N] [--skip onnx_fp32,...] [--csv out.csv]
@@ -170,14 +177,41 @@ def session(model, threads, tmpdir, custom_ops):
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def time_runs(sess, feeds, repeats):
-    sess.run(None, feeds)  # warm-up (first-run allocations, pre-packing)
-    ts = []
+def read_ceiling(nbytes, threads, repeats=5):
+    """Streaming-read rate (GB/s) of `threads` threads each summing a slice of an nbytes buffer
+    (numpy's reductions release the GIL; large numpy buffers get 2 MB pages, like our weights)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    buf = np.ones(nbytes // 8, np.uint64)
+    parts = np.array_split(buf, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            ts.append(time.perf_counter() - t0)
+    return buf.nbytes / float(np.median(ts)) / 1e9
+
+
+def expert_bytes(q, ids):
+    """INT8 weights (and their float32 scales) of the distinct experts in ids."""
+    e = np.unique(ids)
+    return sum(int(a[e].nbytes) for a in (q.gate_up, q.gate_up_scale, q.down, q.down_scale))
+
+
+def time_runs(sessions, feeds, repeats):
+    """{name: (median ms, p90 ms)}; the sessions take turns run by run, so that a slow spell of
+    the shared machine falls on every path alike and the ratios stay meaningful."""
+    for sess in sessions.values():
+        sess.run(None, feeds)  # warm-up (first-run allocations, pre-packing)
+    ts = {name: [] for name in sessions}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        sess.run(None, feeds)
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(ts)), float(np.percentile(ts, 90))
+        for name, sess in sessions.items():
+            t0 = time.perf_counter()
+            sess.run(None, feeds)
+            ts[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (float(np.median(v)), float(np.percentile(v, 90))) for name, v in ts.items()}
 
 
 def main(argv=None):
@@ -205,9 +239,12 @@ def main(argv=None):
             q = ml.quantize_moe_weights(w)
             xs = {t: rng.standard_normal((t, HIDDEN)).astype(np.float32) for t in tokens}
             feeds = {t: {"x": x, "router_logits": (x @ w.router).astype(np.float32)} for t, x in xs.items()}
+            touched = {t: expert_bytes(q, ml.route(xs[t], w.router, k)[0]) for t in tokens}
+            ceiling = read_ceiling(sum(a.nbytes for a in (q.gate_up, q.down)), args.threads)
             check_t = min(tokens, key=lambda t: abs(t - 16))
             want = ml.moe_layer_float(xs[check_t], w, k)
             res = {}
+            sessions, errs = {}, {}
             for name in PATHS:
                 if name in skip:
                     continue
@@ -215,16 +252,19 @@ def main(argv=None):
                     model, custom = build(name, w, q, k)
                     sess = session(model, args.threads, tmpdir, custom)
                     del model
-                    got = sess.run(None, feeds[check_t])[0]
-                    err = ml.relative_l2(got, want)
-                    for t in tokens:
-                        res[(name, t)] = (*time_runs(sess, feeds[t], args.repeats), err)
-                    del sess
+                    errs[name] = ml.relative_l2(sess.run(None, feeds[check_t])[0], want)
+                    sessions[name] = sess
                 except Exception as ex:  # noqa: BLE001 - a path this ORT build does not run: report, go on
                     print(f"  {name} E{e} top-{k}: not run ({str(ex).splitlines()[0][:160]})")
                 gc.collect()
-            print(f"\nE={e} top-{k}")
-            print(f"{'tokens':>6} " + " ".join(f"{n:>19}" for n in PATHS if n not in skip) + "   best stock / ours")
+            for t in tokens:
+                for name, (med, p90) in time_runs(sessions, feeds[t], args.repeats).items():
+                    res[(name, t)] = (med, p90, errs[name])
+            del sessions
+            gc.collect()
+            print(f"\nE={e} top-{k}; streaming read with {args.threads} threads: {ceiling:.1f} GB/s")
+            print(f"{'tokens':>6} " + " ".join(f"{n:>19}" for n in PATHS if n not in skip)
+                  + "   best stock / ours      MB  GB/s floor ms  best / floor")
             for t in tokens:
                 line = f"{t:>6} "
                 for n in PATHS:
@@ -235,13 +275,19 @@ def main(argv=None):
                     line += " "
                 stock = [res[(n, t)][0] for n in PATHS[1:] if (n, t) in res]
                 ratio = min(stock) / res[("ours", t)][0] if stock and ("ours", t) in res else float("nan")
-                print(line + f"  {ratio:6.2f}x")
+                mb = touched[t] / 1e6
+                floor = mb / ceiling  # ms
+                gbs = mb / res[("ours", t)][0] if ("ours", t) in res else float("nan")
+                best_floor = min(stock) / floor if stock else float("nan")
+                print(line + f"  {ratio:6.2f}x  {mb:12.1f} {gbs:5.1f} {floor:8.2f} {best_floor:10.2f}x")
                 for n in PATHS:
                     if (n, t) in res:
                         med, p90, err = res[(n, t)]
                         rows.append({"experts": e, "top_k": k, "tokens": t, "path": n, "median_ms": round(med, 3),
                                          "p90_ms": round(p90, 3), "rel_l2": round(err, 5),
-                                         "best_stock_over_ours": round(ratio, 3) if n == "ours" else ""})
+                                         "best_stock_over_ours": round(ratio, 3) if n == "ours" else "",
+                                         "weights_mb": round(mb, 1), "read_gbps": round(ceiling, 2),
+                                         "floor_ms": round(floor, 3)})
             del w, q
             gc.collect()
     if args.csv:
