@@ -155,33 +155,43 @@ ORT_OPS_AMX bool tile_amx(const TileArgs& a, int64_t* bad_row) {
 
 ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
   using T = Avx512VnniTraits;
-  constexpr int64_t kPanelPrefetchRows = 8;
   constexpr int64_t G = T::PACK_G;
+  constexpr int64_t kPanelPrefetchRows = 8;
   const bool swiglu = a.mode == Mode::kSwiglu;
   const int nseg = swiglu ? 2 : 1;
-  const int64_t seg_col[2] = {a.col0, a.n / 2 + a.col0};
-  const int64_t wpad = (a.width + G - 1) / G * G;  // packed columns per segment
+  const int64_t n = a.n, kdim = a.k, width = a.width, xstride = a.xprep_stride;
+  const int8_t* const w = a.w;
+  const int64_t seg_col[2] = {a.col0, n / 2 + a.col0};
+  const int64_t wpad = (width + G - 1) / G * G;  // packed columns per segment
   const int64_t cols = nseg * wpad;
-  const int64_t rows_pad = (a.rows + 31) / 32 * 32;  // AMX stores whole 16-row tiles
+  const int64_t rows_pad = (a.rows + 31) / 32 * 32;  // AMX loads and stores whole 16-row tiles
   const int64_t ldb = cols * 4;                      // bytes per packed step of the slab
-  auto aligned = [](auto& v, size_t n) {
-    if (v.size() < n + 64) v.resize(n + 64);
+  auto aligned = [](auto& v, size_t count) {
+    if (v.size() < count + 64) v.resize(count + 64);
     using E = typename std::remove_reference_t<decltype(v)>::value_type;
     return reinterpret_cast<E*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t{63});
   };
-  thread_local std::vector<uint8_t> slab_v;
+  thread_local std::vector<uint8_t> slab_v, x_v;
   thread_local std::vector<int32_t> acc_v, int_v;
   thread_local std::vector<float> flt_v;
   uint8_t* slab = aligned(slab_v, static_cast<size_t>(kPanelK / 4 * ldb));
   int32_t* acc = aligned(acc_v, static_cast<size_t>(rows_pad * cols));
   int32_t* ints = aligned(int_v, static_cast<size_t>(2 * cols));
-  int32_t* colsum = ints;  // sum_k W per packed column (VNNI's x + 128 correction, times 128 later)
+  int32_t* zeros = ints;  // store_c's correction: none, x is signed here
   int32_t* colmap = ints + cols;
   float* flts = aligned(flt_v, static_cast<size_t>(3 * cols));
-  float* wsp = flts;            // weight scale per packed column (0 for padding)
-  float* cpk = flts + cols;     // one row's C in packed order
+  float* wsp = flts;              // weight scale per packed column (0 for padding)
+  float* cpk = flts + cols;       // one row's C in packed order
   float* cnat = flts + 2 * cols;  // the same in natural order
-  std::fill(colsum, colsum + cols, 0);
+  std::fill(zeros, zeros + cols, 0);
+  // x back to signed bytes (prepared rows are x ^ 0x80 for VPDPBUSD): TDPBSSD multiplies signed
+  // by signed, so no column sums are needed. Rows past the expert's are zeros.
+  int8_t* xs = reinterpret_cast<int8_t*>(aligned(x_v, static_cast<size_t>(rows_pad * xstride)));
+  for (int64_t r = 0; r < rows_pad; ++r)
+    for (int64_t i = 0; i < xstride; i += 64) {
+      const __m512i v = r < a.rows ? _mm512_loadu_si512(a.xprep + r * xstride + i) : _mm512_set1_epi8(-128);
+      _mm512_storeu_si512(xs + r * xstride + i, _mm512_xor_si512(v, _mm512_set1_epi8(-128)));
+    }
 
   AmxConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -190,8 +200,8 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
   }
   _tile_loadconfig(&cfg);
   alignas(64) int8_t tmp[4][G];
-  for (int64_t k0 = 0; k0 < a.k; k0 += kPanelK) {
-    const int64_t ktiles = (std::min(kPanelK, a.k - k0) + 63) / 64;
+  for (int64_t k0 = 0; k0 < kdim; k0 += kPanelK) {
+    const int64_t ktiles = (std::min(kPanelK, kdim - k0) + 63) / 64;
     for (int64_t s = 0; s < ktiles * 16; ++s) {  // steps past k are zeros
       const int64_t k = k0 + s * 4;
       uint8_t* dst = slab + s * ldb;
@@ -199,31 +209,27 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
         for (int64_t g = 0; g < wpad; g += G) {
           const int8_t* rp[4];
           for (int i = 0; i < 4; ++i) {
-            if (k + i < a.k) {
-              rp[i] = safe_cols<G>(a.w + (k + i) * a.n + seg_col[sg] + g, a.width - g, tmp[i]);
+            if (k + i < kdim) {
+              rp[i] = safe_cols<G>(w + (k + i) * n + seg_col[sg] + g, width - g, tmp[i]);
             } else {
               std::memset(tmp[i], 0, G);
               rp[i] = tmp[i];
             }
           }
-          __m512i v[4];
-          T::pack_regs(rp, v);
-          const int64_t pc = sg * wpad + g;
           // Two steps ahead into L2 (measured 5-10% over the hardware prefetchers alone).
           for (int i = 0; i < 4; ++i)
-            if (k + kPanelPrefetchRows + i < a.k)
-              _mm_prefetch(reinterpret_cast<const char*>(a.w + (k + kPanelPrefetchRows + i) * a.n + seg_col[sg] + g),
+            if (k + kPanelPrefetchRows + i < kdim)
+              _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPanelPrefetchRows + i) * n + seg_col[sg] + g),
                            _MM_HINT_T1);
-          for (int j = 0; j < 4; ++j) {
-            T::store(dst + (pc + j * 16) * 4, v[j]);
-            int32_t* cs = colsum + pc + j * 16;
-            T::store(cs, T::colsum_add(T::load(reinterpret_cast<const uint8_t*>(cs)), v[j]));
-          }
+          __m512i v[4];
+          T::pack_regs(rp, v);
+          uint8_t* d = dst + (sg * wpad + g) * 4;
+          for (int j = 0; j < 4; ++j) T::store(d + j * 64, v[j]);
         }
     }
     for (int64_t rb = 0; rb < a.rows; rb += 32) {
       const bool two = a.rows - rb > 16;
-      const uint8_t* xp = a.xprep + rb * a.xprep_stride + k0;  // quads: byte offset = k
+      const int8_t* xp = xs + rb * xstride + k0;  // quads: byte offset = k
       for (int64_t ch = 0; ch < cols; ch += 32) {
         int32_t* c = acc + rb * cols + ch;
         if (k0 == 0) {
@@ -239,15 +245,15 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
         }
         const uint8_t* bp = slab + ch * 4;
         for (int64_t t = 0; t < ktiles; ++t) {
-          _tile_loadd(4, xp + t * 64, a.xprep_stride);
+          _tile_loadd(4, xp + t * 64, xstride);
           _tile_loadd(6, bp + t * 16 * ldb, ldb);
           _tile_loadd(7, bp + t * 16 * ldb + 64, ldb);
-          _tile_dpbusd(0, 4, 6);
-          _tile_dpbusd(1, 4, 7);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
           if (two) {
-            _tile_loadd(5, xp + 16 * a.xprep_stride + t * 64, a.xprep_stride);
-            _tile_dpbusd(2, 5, 6);
-            _tile_dpbusd(3, 5, 7);
+            _tile_loadd(5, xp + 16 * xstride + t * 64, xstride);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
           }
         }
         _tile_stored(0, c, ldb);
@@ -263,12 +269,11 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
   for (int64_t p = 0; p < cols; ++p) {
     const int64_t q = p % wpad, j = (q / G) * G + T::perm(q % G);
     colmap[p] = static_cast<int32_t>((p / wpad) * wpad + j);
-    wsp[p] = j < a.width ? a.w_scale[seg_col[p / wpad] + j] : 0.0f;
-    colsum[p] = static_cast<int32_t>(static_cast<uint32_t>(colsum[p]) << 7);
+    wsp[p] = j < width ? a.w_scale[seg_col[p / wpad] + j] : 0.0f;
   }
   for (int64_t r = 0; r < a.rows; ++r) {
     for (int64_t p = 0; p < cols; p += 16)
-      T::store_c(T::load(reinterpret_cast<const uint8_t*>(acc + r * cols + p)), colsum + p, a.x_scale[r], wsp + p,
+      T::store_c(T::load(reinterpret_cast<const uint8_t*>(acc + r * cols + p)), zeros + p, a.x_scale[r], wsp + p,
                  cpk + p);
     if (!finish_row_n(a, cpk, colmap, a.out + r * a.ldo, cols, wpad, cnat)) {
       *bad_row = r;
