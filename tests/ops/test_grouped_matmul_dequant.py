@@ -97,9 +97,9 @@ def test_few_row_experts(rng, gemm_isa, k):
 
 
 def test_row_blocks(rng, gemm_isa):
-    """Experts of 2-70 rows around the tiles' row blocks (AMX: 16 and 32 rows; AVX: 3 or 6), K
+    """Experts of 2-129 rows around the tiles' row blocks (AMX: 16 and 32 rows; AVX: 3 or 6), K
     not a multiple of 64, N not a multiple of the 64-column packing group."""
-    counts = [2, 3, 15, 16, 17, 31, 32, 33, 64, 70]
+    counts = [2, 3, 15, 16, 17, 31, 32, 33, 64, 70, 128, 129]
     inputs = make_inputs(rng, sum(counts) + 5, 300, 530, len(counts), group_list=np.cumsum(counts))
     inputs["x"][-10:, :] = -128
     assert_exact(_run(inputs), reference.grouped_matmul_dequant(**inputs))

@@ -108,7 +108,7 @@ constexpr int64_t kAmxPadRows = 32;
 // follow, unlike a tile's short strided segments); the int32 sums of all the rows stay in a
 // thread buffer ([rows][columns], rows <= kAmxPanelRows) between slabs.
 bool panel_amx(const TileArgs& a, int64_t* bad_row);
-constexpr int64_t kAmxPanelRows = 64;
+constexpr int64_t kAmxPanelRows = 128;  // measured: panels beat the tiles up to 128 rows (1 thread)
 constexpr int64_t kPanelK = 256;
 // True when the CPU has AMX-TILE and AMX-INT8, the OS enables the tile state (XCR0) and lets
 // this process use it (Linux arch_prctl ARCH_REQ_XCOMP_PERM); asked once per process.
