@@ -235,10 +235,13 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
     }
     if (rows_done) rows_done(c.r0, c.r1);
   };
+  // Tiles and panels (a whole expert's weights each, or a column share of them) come first and
+  // the small k-block tasks last, so the pool's threads end at about the same time.
   const size_t n_partial = gemvs.size() * static_cast<size_t>(kblocks);
-  parallel_for(ctx, n_partial + tiles.size(), [&](size_t i) {
+  parallel_for(ctx, n_partial + tiles.size(), [&](size_t task) {
     size_t chunk;
-    if (i < n_partial) {
+    if (task >= tiles.size()) {
+      const size_t i = task - tiles.size();
       const Gemv& g = gemvs[i / static_cast<size_t>(kblocks)];
       chunk = g.chunk;
       const int64_t b = static_cast<int64_t>(i % static_cast<size_t>(kblocks));
@@ -256,7 +259,7 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       a.colsum = a.acc + rows * n_pad;
       kern.gemv_partial(a);
     } else {
-      const size_t ti = i - n_partial;
+      const size_t ti = task;
       const Tile& t = tiles[ti];
       chunk = static_cast<size_t>(tile_chunk[ti]);
       TileArgs a;
