@@ -153,6 +153,7 @@ DECODE_CASES = [
     # than a 32-key stage (both halves of a stage in one block), partial last stages.
     ([500, 77, 1], 16, 2, 64, 128),
     ([1300, 31], 8, 1, 128, 256),
+    ([1025, 64, 3], 8, 2, 128, 64),  # the benchmark shape: two 32-key stages a block
 ]
 
 
@@ -169,9 +170,10 @@ def test_decode_matches_reference(rng, case, pv_quant):
         _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype, f"{dtype} splits={split}")
 
 
+@pytest.mark.parametrize("block", [32, 64])  # 64: a 32-key warp stage is half a block
 @pytest.mark.parametrize("partition_size", [32, 96, 512, 2048])
-def test_partition_size_changes_nothing_beyond_rounding(rng, partition_size):
-    query, cache, _ = _make_case(rng, [1111, 40], [1, 1], 8, 2, 128, 32, "float32", decode=True)
+def test_partition_size_changes_nothing_beyond_rounding(rng, partition_size, block):
+    query, cache, _ = _make_case(rng, [1111, 40], [1, 1], 8, 2, 128, block, "float32", decode=True)
     want, step = _ref(query, cache, None, partition_size=partition_size)
     got, status = _run(query, cache, None, partition_size=partition_size)
     assert status == 0

@@ -2,6 +2,8 @@
 // PagedAttentionInt8 kernels for NVIDIA tensor cores (sm_80+: mma.sync m16n8k32 s8/u8).
 // Spec: ort_ops/ops/paged_attention_int8.py; launcher contract: cuda.cuh.
 //
+// Decode with G <= 8 and D 64 / 128 runs decode_warp_kernel (below: warps with their own key
+// stages, no CTA barrier per stage); everything else runs paged_attention_kernel, described here.
 // One CTA (8 warps) = one row tile x one kv head x one split of the keys. A row tile is up to 16
 // (query, q head) rows that read the same kv head: decode puts the GQA group of one query there,
 // so every K/V byte read serves the whole group; prefill packs 16 / G queries x G heads. A split
@@ -699,6 +701,8 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
 //        its own keys 8t..8t+3 / 8t+4..8t+7 (the codes it just made), B is one 8-byte read of
 //        V row d at keys 8t..8t+7; every MMA's K set is the 32 keys of the stage = its group.
 // pv none: the same with W / max in fp16 on two m16n8k16 per stage (keys 8t..8t+3, 8t+4..8t+7).
+// Measured alternatives (H200, 32/16k, block 64): 64-key stages with 2 warps per CTA (each V row
+// of a block read in one piece) 372 us against 298 (half the warps per SM hide less latency).
 template <int D>
 struct WCfg {
   static constexpr int DW = 4;                 // warps per CTA
@@ -1093,12 +1097,6 @@ bool warp_decode_shape(const PagedAttentionParams& p) {
 }
 bool use_warp_decode(const PagedAttentionParams& p) { return p.cu_seqlens_q == nullptr && warp_decode_shape(p); }
 
-int warp_resident_ctas(int head_dim) {
-  const int bytes = head_dim == 64 ? WCfg<64>::BYTES : WCfg<128>::BYTES;
-  const int by_regs = head_dim == 64 ? WCfg<64>::MIN_BLOCKS : WCfg<128>::MIN_BLOCKS;
-  return std::max(1, std::min(by_regs, 233472 / (bytes + 1024)));
-}
-
 TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
   TileShape ts;
   const int G = p.num_heads / p.num_kv_heads;
@@ -1113,8 +1111,10 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
     // Pick the split count by a wave model: CTAs resident at once (shared memory bound, 228 KB
     // per SM), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys). Fewer splits
     // win ties: each extra split costs a partial-output write and read plus the merge.
-    const int per_sm = warp_decode ? warp_resident_ctas(p.head_dim)
-                                   : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
+    // Warp decode: modelled as one CTA per SM although two fit; measured at batch 1 (H200,
+    // 32 q / 8 kv heads, block 64) 16 splits beat 32 at 8k / 16k: 21.4 / 30.2 us against
+    // 24.3 / 31.9 (8 splits: 25.5 / 40.4; at 4k 16 either way). Batch 32 gets one split either way.
+    const int per_sm = warp_decode ? 1 : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
     const int64_t conc = static_cast<int64_t>(sm_count()) * per_sm;
     const int64_t base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.n_qt;
     int64_t best_cost = -1;
