@@ -168,7 +168,10 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   int64_t panel_experts = 0;
   for (int64_t e = 0, start = 0; e < p.e; start = p.ends[static_cast<size_t>(e)], ++e)
     panel_experts += is_panel(p.ends[static_cast<size_t>(e)] - start) ? 1 : 0;
-  const int64_t parts = panel_experts ? std::min<int64_t>(4, (4 + panel_experts - 1) / panel_experts) : 1;
+  // Parts also keep a panel's thread buffers bounded (kMaxPanelCols columns per segment).
+  constexpr int64_t kMaxPanelCols = 4096;
+  const int64_t parts = std::max((cols + kMaxPanelCols - 1) / kMaxPanelCols,
+                                 panel_experts ? std::min<int64_t>(4, (4 + panel_experts - 1) / panel_experts) : 1);
   const int64_t part_w = ((cols + parts - 1) / parts + 63) / 64 * 64;
   int64_t start = 0;
   for (int64_t e = 0; e < p.e; ++e) {
