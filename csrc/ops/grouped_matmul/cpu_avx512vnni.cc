@@ -232,6 +232,7 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
       const int8_t* xp = xs + rb * xstride + k0;  // quads: byte offset = k
       for (int64_t ch = 0; ch < cols; ch += 32) {
         int32_t* c = acc + rb * cols + ch;
+        // Rows 16-31 of the block exist only when `two`: their sums are neither loaded nor kept.
         if (k0 == 0) {
           _tile_zero(0);
           _tile_zero(1);
@@ -240,8 +241,10 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
         } else {
           _tile_loadd(0, c, ldb);
           _tile_loadd(1, c + 16, ldb);
-          _tile_loadd(2, c + 16 * cols, ldb);
-          _tile_loadd(3, c + 16 * cols + 16, ldb);
+          if (two) {
+            _tile_loadd(2, c + 16 * cols, ldb);
+            _tile_loadd(3, c + 16 * cols + 16, ldb);
+          }
         }
         const uint8_t* bp = slab + ch * 4;
         for (int64_t t = 0; t < ktiles; ++t) {
@@ -258,8 +261,10 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
         }
         _tile_stored(0, c, ldb);
         _tile_stored(1, c + 16, ldb);
-        _tile_stored(2, c + 16 * cols, ldb);
-        _tile_stored(3, c + 16 * cols + 16, ldb);
+        if (two) {
+          _tile_stored(2, c + 16 * cols, ldb);
+          _tile_stored(3, c + 16 * cols + 16, ldb);
+        }
       }
     }
   }
