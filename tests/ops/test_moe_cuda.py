@@ -240,6 +240,11 @@ CASES = {
     "k80_n96": (77, 80, 96, [20, 20, 37], 0),
     "single_row": (1, 64, 64, [0, 1], 0),
     "many_experts": (517, 128, 96, [int(c) for c in np.random.default_rng(7).integers(0, 17, 64)], 0),
+    # Deep K ending in a partial 64-deep k step, tail rows.
+    "deep_k": (127, 2000, 256, [30, 0, 45, 1, 44], 7),
+    # More row blocks than slot groups: 11 column tiles, so on 132 SMs bm16w runs its 70 row
+    # blocks in 3 rounds of 24 slots, bm16 in 6, bm64 in 2.
+    "many_rounds": (1120, 256, 2816, [112] * 10, 0),
 }
 
 
@@ -260,7 +265,8 @@ def test_gmsq_cuda_matches_reference(torch_cuda, rng, case, config):
 
 @cuda
 @pytest.mark.parametrize("config", ["auto", "bm16", "bm64", "bm128", "bm16w"])
-@pytest.mark.parametrize("case", ["mixed", "tail_rows", "k80_n96", "many_experts"])
+@pytest.mark.parametrize("case", ["mixed", "tail_rows", "k80_n96", "many_experts", "deep_k",
+                                  "many_rounds"])
 def test_gmd_cuda_matches_reference(torch_cuda, rng, case, config):
     """GroupedMatmulDequant (the down projection, same kernel): float32 y bit for bit."""
     from ort_ops._cuda_kernels import gmd
@@ -294,13 +300,30 @@ def test_gmsq_cuda_counts_and_model_shape(torch_cuda, rng, config):
 
 
 @cuda
+@pytest.mark.parametrize("experts,topk", [(8, 2), (64, 8)])
+def test_gmsq_cuda_decode_shapes(torch_cuda, rng, experts, topk):
+    """The benchmark's decode rows (16 tokens, hidden 2048, intermediate 1408, uniform top-k
+    routing), auto config: one round of row blocks (8 experts) and several (64 experts)."""
+    t, k, n = 16, 2048, 2816
+    ids = np.argsort(rng.random((t, experts)), axis=1)[:, :topk]
+    counts = np.bincount(ids.ravel(), minlength=experts)
+    m = int(counts.sum())
+    x, w, ws, xs, gl = _problem(rng, m, k, n, counts)
+    *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl)
+    assert err == 0
+    _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
+
+
+@cuda
 @pytest.mark.parametrize("dequant", [False, True])
 @pytest.mark.parametrize("config", ["bm16w", "bm64", "bm128"])
-def test_cuda_packed_weight_layout(torch_cuda, rng, config, dequant):
+@pytest.mark.parametrize("case", ["tail_rows", "deep_k"])
+def test_cuda_packed_weight_layout(torch_cuda, rng, config, dequant, case):
     """The packed B layout (one contiguous weight run per CTA) gives the same bits."""
     from ort_ops._cuda_kernels import GmsqRunner, pack_weight
 
-    m, k, n, counts, tail = CASES["tail_rows"]  # N/2 = 80: a padded, partial 128-column tile
+    # tail_rows: N/2 = 80, a padded, partial 128-column tile.
+    m, k, n, counts, tail = CASES[case]
     x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=tail)
     dev = torch_cuda.device("cuda")
     t = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
