@@ -4,8 +4,10 @@
 Decode: batch 1 and 32, 32 query / 8 kv heads, head_dim 128, context 4k / 8k / 16k.
     ours (pv s8 / u8 / none: none is the float P.V twin of the same kernel) on a scattered
     paged INT8 cache, against torch SDPA bf16 (cuDNN backend, enable_gqa=True) on contiguous
-    bf16 K/V. GPU time by CUDA events around each call, L2 flushed before each call (a 256 MB
-    write), median and p90 of --iters calls. Achieved bandwidth counts the bytes that must be
+    bf16 K/V. GPU time by CUDA events around each call, L2 flushed before each call (--flush:
+    reading 256 MB, the default, or writing it; a write leaves ~50 MB of dirty lines whose
+    write-back then competes with the timed call's reads, which costs a small call several us),
+    median and p90 of --iters calls. Achieved bandwidth counts the bytes that must be
     read: INT8 K and V plus the two per-token float32 scales (ours), bf16 K and V (SDPA),
     against the measured copy ceiling 4.28 TB/s (../shared/GPU.md).
 Prefill with history: 512 new queries on 4k / 8k / 16k of history, batch 1 (INT8 P.V vs its
@@ -49,8 +51,19 @@ COPY_CEILING_TBS = 4.28
 READ_CEILING_TBS = 4.35
 
 
+FLUSH_MODE = "read"  # --flush
+
+
 def _flush_buffer():
-    return torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    return torch.ones(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
+
+
+def _evict_l2(flush) -> None:
+    """Evicts L2 before a timed call by streaming 256 MB through it (read or write, --flush)."""
+    if FLUSH_MODE == "read":
+        flush.max()
+    else:
+        _evict_l2(flush)
 
 
 def time_gpu(fn, iters: int, flush) -> list[float]:
@@ -60,7 +73,7 @@ def time_gpu(fn, iters: int, flush) -> list[float]:
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        flush.zero_()
+        _evict_l2(flush)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -77,7 +90,7 @@ def time_wall(fn, iters: int, flush) -> list[float]:
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        flush.zero_()
+        _evict_l2(flush)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -415,12 +428,16 @@ def main(argv=None) -> int:
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--flush", choices=["read", "write"], default="read",
+                    help="evict L2 before each timed call by reading (default) or writing 256 MB")
     ap.add_argument("--peers", nargs="*", default=["flashinfer", "ort-gqa", "ours-ort"],
                     help="optional peers besides cuDNN SDPA: flashinfer, ort-gqa, ours-ort")
     ap.add_argument("--ort-pv", nargs="*", default=["s8"], help="pv_quant of ours as an ORT session")
     ap.add_argument("--warmup-peers", action="store_true",
                     help="only JIT-compile FlashInfer's decode modules (bf16 and fp8 cache) on small shapes")
     args = ap.parse_args(argv)
+    global FLUSH_MODE
+    FLUSH_MODE = args.flush
     if args.warmup_peers:
         gen = torch.Generator(device="cuda")
         ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
