@@ -73,18 +73,23 @@ class GmsqRunner:
         dequant: run GroupedMatmulDequant (y float32 [M, N]) instead.
         packed: ``weight`` is ``pack_weight(w)`` (layout 1 of cuda.cuh) rather than [E, K, N];
             the shapes (K, N) come from ``n`` then.
+        layout: the weight layout passed to the launcher; None: 1 when ``n`` is given, else 0.
+            2 is ``pack_weight_kmajor(w)``, [E, N, K], for the Hopper wgmma kernel (swiglu only).
     """
 
     def __init__(self, x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-                 config: str = "auto", dequant: bool = False, n: int | None = None):
+                 config: str = "auto", dequant: bool = False, n: int | None = None,
+                 layout: int | None = None):
         import torch
 
         self.fn, ws_bytes, self.gmd_fn = _gmsq_fns()
         self.dequant = dequant
         self.inputs = [t.contiguous() for t in (x, weight, weight_scale, x_scale, group_list)]
         m, k = x.shape
-        self.packed = n is not None
-        if self.packed:
+        self.layout = layout if layout is not None else int(n is not None)
+        if self.layout == 2:
+            e, n, _ = weight.shape
+        elif self.layout == 1:
             e = weight.shape[0]
         else:
             e, _, n = weight.shape
@@ -113,13 +118,13 @@ class GmsqRunner:
         if self.dequant:
             rc = self.gmd_fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(),
                              gl.data_ptr(), self.y.data_ptr(), self.workspace.data_ptr(), m, k, n,
-                             e, self.group_list_type, self.config, int(self.packed),
+                             e, self.group_list_type, self.config, self.layout,
                              ctypes.c_void_p(s.cuda_stream))
         else:
             rc = self.fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(), gl.data_ptr(),
                          self.y.data_ptr(), self.y_scale.data_ptr(), self.y_offset.data_ptr(),
                          self.workspace.data_ptr(), m, k, n, e, self.group_list_type, self.config,
-                         int(self.packed), ctypes.c_void_p(s.cuda_stream))
+                         self.layout, ctypes.c_void_p(s.cuda_stream))
         if rc != 0:
             op = "GroupedMatmulDequant" if self.dequant else "GroupedMatmulSwigluQuant"
             raise RuntimeError(f"{op} (CUDA): launch failed with cudaError_t {rc}"
@@ -167,6 +172,12 @@ def pack_weight(weight):
     a = torch.nn.functional.pad(weight[:, :, :h], (0, pad)).view(e, k, c, PACKED_COLS)
     g = torch.nn.functional.pad(weight[:, :, h:], (0, pad)).view(e, k, c, PACKED_COLS)
     return torch.cat([a, g], dim=3).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_weight_kmajor(weight):
+    """[E, K, N] int8 -> [E, N, K] (cuda_wgmma.cuh, weight_layout 2): the K-major B operand that
+    8-bit wgmma needs; the kernel's TMA loads swizzle it, so no tile packing is needed."""
+    return weight.transpose(1, 2).contiguous()
 
 
 def dynamic_quant(x, smooth=None):

@@ -29,6 +29,8 @@
 // Exactness: every float32 operation of the reference is done with an explicit _rn intrinsic
 // in the reference's order (no FMA contraction), including the contract's polynomial exp.
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+#include "ops/grouped_matmul_swiglu_quant/cuda_wgmma.cuh"
+#include "ops/grouped_matmul_swiglu_quant/epilogue.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -107,56 +109,10 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t& o
   o3 = __byte_perm(x1, y1, 0x7632);
 }
 
-// The contract's float32 constants, rounded from double exactly as numpy's np.float32(...) does.
-#define F32C(v) static_cast<float>(v)
-
-// exp_f32 of ort_ops/ops/_moe.py, operation for operation (no FMA: each op rounds).
-__device__ __forceinline__ float exp_f32(float v) {
-  const float t = fminf(fmaxf(v, F32C(-87.0)), F32C(88.0));
-  const float n = rintf(__fmul_rn(t, F32C(1.44269504088896341)));
-  float r = __fsub_rn(t, __fmul_rn(n, F32C(0.693359375)));
-  r = __fsub_rn(r, __fmul_rn(n, F32C(-2.12194440e-4)));
-  float p = F32C(1.9875691500e-4);
-  p = __fadd_rn(__fmul_rn(p, r), F32C(1.3981999507e-3));
-  p = __fadd_rn(__fmul_rn(p, r), F32C(8.3334519073e-3));
-  p = __fadd_rn(__fmul_rn(p, r), F32C(4.1665795894e-2));
-  p = __fadd_rn(__fmul_rn(p, r), F32C(1.6666665459e-1));
-  p = __fadd_rn(__fmul_rn(p, r), F32C(5.0000001201e-1));
-  const float z = __fmul_rn(r, r);
-  float y = __fmul_rn(p, z);
-  y = __fadd_rn(y, r);
-  y = __fadd_rn(y, 1.0f);
-  // n in [-126, 127] and y in [0.7, 1.42]: 2^n is a normal float and y * 2^n is exact.
-  return __fmul_rn(y, __int_as_float((static_cast<int>(n) + 127) << 23));
-}
-
-// S = (a / (1 + exp_f32(-a))) * g.
-__device__ __forceinline__ float swiglu_f32(float a, float g) {
-  const float d = __fadd_rn(1.0f, exp_f32(-a));
-  return __fmul_rn(__fdiv_rn(a, d), g);
-}
-
-__device__ __forceinline__ int quant_code(float s, float inv) {
-  const float q = rintf(__fmul_rn(s, inv));
-  return static_cast<int>(fminf(fmaxf(q, -127.0f), 127.0f));
-}
-
-__device__ __forceinline__ int64_t warp_scan_add(int64_t v, int lane) {
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int64_t u = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += u;
-  }
-  return v;
-}
-__device__ __forceinline__ int64_t warp_scan_max(int64_t v, int lane) {
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int64_t u = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v = max(v, u);
-  }
-  return v;
-}
+// The contract's exact float32 epilogue math and the tile map: epilogue.cuh, shared with the
+// wgmma kernel (cuda_wgmma.cu).
+using epi::quant_code;
+using epi::swiglu_f32;
 
 // ---- the kernel -----------------------------------------------------------------------------
 
@@ -225,58 +181,8 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
     for (int i = blockIdx.x * T + tid; i < M; i += gridDim.x * T) p.y_offset[i] = 0.0f;
 
   // Tile map (warp 0): sanitized group ends and the row-block prefix, both in shared memory.
-  // An invalid group_list sets kErrGroupList and is clamped so nothing runs out of bounds.
-  if (warp == 0) {
-    const int per = (E + 31) / 32;
-    const int e0 = min(E, lane * per);
-    const int e1 = min(E, e0 + per);
-    bool bad = false;
-    int64_t run = 0;  // lane-local running sum (counts) or max (ends)
-    for (int e = e0; e < e1; ++e) {
-      int64_t v = p.group_list[e];
-      if (v < 0) bad = true;
-      v = (v < 0 ? int64_t{0} : v);
-      if (p.group_list_type == 1) {
-        run += (v < M ? v : int64_t{M});
-      } else {
-        if (v < run) bad = true;  // decreasing inside this lane's chunk
-        run = max(run, v);
-      }
-    }
-    int64_t incl, excl;
-    if (p.group_list_type == 1) {
-      incl = warp_scan_add(run, lane);
-      excl = incl - run;
-    } else {
-      incl = warp_scan_max(run, lane);
-      excl = __shfl_up_sync(0xffffffffu, incl, 1);
-      if (lane == 0) excl = 0;
-    }
-    int64_t acc = excl;
-    for (int e = e0; e < e1; ++e) {
-      int64_t v = (p.group_list[e] < 0 ? int64_t{0} : p.group_list[e]);
-      if (p.group_list_type == 1) {
-        acc += (v < M ? v : int64_t{M});
-      } else {
-        if (v < acc) bad = true;  // decreasing across a chunk boundary
-        acc = max(acc, v);
-      }
-      if (acc > M) bad = true;
-      ends_s[e + 1] = static_cast<int>((acc < M ? acc : int64_t{M}));
-    }
-    if (lane == 0) ends_s[0] = 0;
-    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(ws.err, kErrGroupList);
-    __syncwarp();
-    int64_t nb = 0;
-    for (int e = e0; e < e1; ++e) nb += (ends_s[e + 1] - ends_s[e] + BM - 1) / BM;
-    const int64_t nb_incl = warp_scan_add(nb, lane);
-    int64_t b = nb_incl - nb;
-    for (int e = e0; e < e1; ++e) {
-      b += (ends_s[e + 1] - ends_s[e] + BM - 1) / BM;
-      blk_s[e + 1] = static_cast<int>(b);
-    }
-    if (lane == 0) blk_s[0] = 0;
-  }
+  if (warp == 0)
+    epi::build_tile_map(p.group_list, p.group_list_type, M, E, BM, lane, ends_s, blk_s, ws.err);
   __syncthreads();
   const int total_blocks = blk_s[E];
   const int rows_end = ends_s[E];
@@ -301,13 +207,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
   const int a_chunk_hi = lane >> 4;                          // k 0-15 or 16-31 of a k32 step
 
   for (int rb = slot; rb < total_blocks; rb += slots) {
-    // Which expert owns row block rb: the last e with blk_s[e] <= rb (blk_s is non-decreasing).
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (blk_s[mid] <= rb) lo = mid; else hi = mid - 1;
-    }
-    const int e = lo;
+    const int e = epi::expert_of_block(blk_s, E, rb);
     const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
     const int rows = min(BM, ends_s[e + 1] - row0);
     const int8_t* xg = p.x + static_cast<int64_t>(row0) * K;
@@ -548,16 +448,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
     __threadfence();
     __syncthreads();
     // Arrive on this row block and wait for its col_tiles CTAs (all co-resident: see top).
-    if (tid == 0) {
-      int* cnt = ws.counters + rb;
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(cnt) : "memory");
-      int seen = 0;
-      for (;;) {
-        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(cnt) : "memory");
-        if (seen >= col_tiles) break;
-        __nanosleep(32);
-      }
-    }
+    if (tid == 0) epi::arrive_and_wait(ws.counters + rb, col_tiles);
     __syncthreads();
 
     // ---- quantize with the row's final max and store 8 codes per row per lane ----
@@ -594,15 +485,10 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
          i += static_cast<int64_t>(gridDim.x) * T)
       reinterpret_cast<float4*>(p.y_float + static_cast<int64_t>(rows_end) * N)[i] =
           make_float4(0.f, 0.f, 0.f, 0.f);
-  } else if (tail > 0) {
-    const int chunks = half / 16;
-    const int64_t total = static_cast<int64_t>(tail) * chunks;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * T + tid; i < total;
-         i += static_cast<int64_t>(gridDim.x) * T) {
-      const int64_t r = rows_end + i / chunks;
-      *reinterpret_cast<uint4*>(p.y + r * half + (i % chunks) * 16) = make_uint4(0, 0, 0, 0);
-    }
-    for (int i = rows_end + blockIdx.x * T + tid; i < M; i += gridDim.x * T) p.y_scale[i] = 0.0f;
+  } else if (MODE == kSwiglu) {
+    epi::zero_tail_rows(p.y, p.y_scale, M, half, rows_end,
+                        static_cast<int64_t>(blockIdx.x) * T + tid,
+                        static_cast<int64_t>(gridDim.x) * T);
   }
 }
 
@@ -654,19 +540,9 @@ cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t strea
   const int64_t max_blocks = (p.m + C::kBM - 1) / C::kBM + p.e;  // row blocks, upper bound
   const int64_t slots = std::min<int64_t>(co_resident / col_tiles, std::max<int64_t>(1, max_blocks));
   if (slots < 1) return cudaErrorCooperativeLaunchTooLarge;  // N/2 needs more co-resident CTAs
-  // Cooperative launch (co-residency of the whole grid) through cudaLaunchKernelEx, which
-  // stream capture records as a cooperative graph node.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(slots * col_tiles));
-  cfg.blockDim = dim3(C::kThreads);
-  cfg.dynamicSmemBytes = C::kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>, p, s,
+  const epi::CooperativeLaunch launch(static_cast<unsigned>(slots * col_tiles), C::kThreads,
+                                      C::kSmem, stream);
+  return cudaLaunchKernelEx(&launch.cfg, gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>, p, s,
                             col_tiles);
 }
 
@@ -740,6 +616,8 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
+  // weight_layout 2 ([E, N, K], K-major): the Hopper wgmma kernel (cuda_wgmma.cu).
+  if (p.weight_layout == kGmsqLayoutKMajor) return launch_gmsq_wgmma(p, stream);
   return launch_mode<kSwiglu>(p, stream);
 }
 

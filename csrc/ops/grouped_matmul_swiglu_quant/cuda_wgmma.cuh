@@ -1,0 +1,26 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulSwigluQuant on Hopper INT8 tensor cores (wgmma.mma_async m64n256k32 s8.s8.s32,
+// sm_90a only): the launcher prototype. Selected by launch_gmsq when weight_layout == 2.
+//
+// Weight layout 2 (K-major): weight int8 [E, N, K], i.e. the contract's [E, K, N] transposed per
+// expert (ort_ops._cuda_kernels.pack_weight_kmajor). 8-bit wgmma takes its B operand only
+// K-major from shared memory; the kernel's TMA loads apply the 128-byte swizzle itself, so the
+// global layout needs no tile packing. Every other input and output is GmsqParams' (cuda.cuh),
+// same semantics, same error word, same workspace (gmsq_workspace_bytes).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+
+namespace ort_ops::gmsq_cuda {
+
+constexpr int kGmsqLayoutKMajor = 2;  // GmsqParams::weight_layout of the wgmma kernel
+
+// Same requirements as launch_gmsq (cuda.cuh) plus: a compute capability 9.x device
+// (cudaErrorNotSupported otherwise), 16-byte aligned x and weight (TMA), E * N < 2^31.
+// `config` is ignored (one tile: 128 rows x 128 outputs). K == 0 (or M, N, E == 0) runs the
+// layout-0 launcher (no weight bytes in either layout).
+cudaError_t launch_gmsq_wgmma(const GmsqParams& p, cudaStream_t stream);
+
+}  // namespace ort_ops::gmsq_cuda
