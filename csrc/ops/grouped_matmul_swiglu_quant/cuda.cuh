@@ -59,6 +59,7 @@ struct GmsqParams {
   // 0: weight [E, K, N] (the contract). 1: packed per 128-column tile, [E, C, K, 256] with
   // C = ceil(N/2 / 128) and row k of tile c = W[k, 128c .. +128) | W[k, N/2 + 128c .. +128),
   // zero-padded past N/2 (ort_ops._cuda_kernels.pack_weight). Configs bm16w, bm64, bm128 only.
+  // 2: [E, N, K] (K-major), the Hopper wgmma kernel's (cuda_wgmma.cuh; launch_gmsq only).
   int weight_layout = 0;
 };
 constexpr int kGmsqPackedCols = 128;
