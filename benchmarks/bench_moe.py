@@ -23,8 +23,8 @@ count (numpy reductions over a buffer as large as all the layer's weights, measu
 expert config), so "best / floor" is the largest speedup over the best stock path any kernel
 could reach here.
 Models over 2 GB keep their weights as external data in a temporary directory. All of a config's
-sessions are alive at once and take turns run by run (the machine is shared: a slow spell then
-hits every path alike; still, run it quietly for absolute numbers). Benchmarks never assert.
+sessions are alive at once and are timed one token count at a time, so the paths of one row are
+measured close together on this shared machine (still: run it quietly). Benchmarks never assert.
 
     python benchmarks/bench_moe.py [--experts 8x2,64x8] [--tokens 1,16,128,512] [--repeats 5]
                                    [--threads N] [--skip onnx_fp32,...] [--csv out.csv]
@@ -177,21 +177,23 @@ def session(model, threads, tmpdir, custom_ops):
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def read_ceiling(nbytes, threads, repeats=5):
-    """Streaming-read rate (GB/s) of `threads` threads each summing a slice of an nbytes buffer
-    (numpy's reductions release the GIL; large numpy buffers get 2 MB pages, like our weights)."""
+def read_ceiling(nbytes, threads, repeats=9):
+    """Streaming-read rate (GB/s) of `threads` threads each taking the max of a slice of an nbytes
+    buffer, the best of `repeats` (numpy's SIMD uint8 max releases the GIL and keeps up with
+    memory; large numpy buffers get 2 MB pages, like our weights). A buffer of the weights' size
+    stays in the last-level cache between runs exactly when the weights can."""
     from concurrent.futures import ThreadPoolExecutor
 
-    buf = np.ones(nbytes // 8, np.uint64)
+    buf = np.ones(nbytes, np.uint8)
     parts = np.array_split(buf, threads)
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.sum, parts))
+        list(pool.map(np.max, parts))
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            list(pool.map(np.sum, parts))
+            list(pool.map(np.max, parts))
             ts.append(time.perf_counter() - t0)
-    return buf.nbytes / float(np.median(ts)) / 1e9
+    return buf.nbytes / min(ts) / 1e9
 
 
 def expert_bytes(q, ids):
@@ -201,17 +203,20 @@ def expert_bytes(q, ids):
 
 
 def time_runs(sessions, feeds, repeats):
-    """{name: (median ms, p90 ms)}; the sessions take turns run by run, so that a slow spell of
-    the shared machine falls on every path alike and the ratios stay meaningful."""
-    for sess in sessions.values():
-        sess.run(None, feeds)  # warm-up (first-run allocations, pre-packing)
-    ts = {name: [] for name in sessions}
-    for _ in range(repeats):
-        for name, sess in sessions.items():
+    """{name: (median ms, p90 ms)}: each session in turn, a warm-up run then `repeats` timed
+    runs, one token count at a time, so the paths of a row are timed minutes apart at most.
+    (Not run by run: ORT's pool threads spin a while after a Run, and another session's spinning
+    threads would take the cores from the one being timed.)"""
+    res = {}
+    for name, sess in sessions.items():
+        sess.run(None, feeds)  # warm-up (first-run allocations, pre-packing; the last session's spin ends)
+        ts = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             sess.run(None, feeds)
-            ts[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: (float(np.median(v)), float(np.percentile(v, 90))) for name, v in ts.items()}
+            ts.append((time.perf_counter() - t0) * 1e3)
+        res[name] = (float(np.median(ts)), float(np.percentile(ts, 90)))
+    return res
 
 
 def main(argv=None):
