@@ -6,7 +6,8 @@ Alphabet: M rows, K reduction dim, N = 2 * I output columns before SwiGLU, E exp
 
 Inputs:
     x            int8 [M, K]      rows sorted by expert (MoeInitRouting + DynamicQuant)
-    weight       int8 [E, K, N]   columns [0, N/2) feed Swish (A), [N/2, N) the gate (G)
+    weight       int8 [E, K, N]   columns [0, N/2) feed Swish (A), [N/2, N) the gate (G);
+                 [E, N, K] with weight_layout "ENK" (weight[e, n, k] = W_e[k, n])
     weight_scale float32/float16 [E, N]   per output channel
     x_scale      float32/float16 [M]      per row
     group_list   int64 [E]        type 0: cumulative end rows; type 1: per-expert counts
@@ -14,7 +15,12 @@ Outputs:
     y        int8 [M, N/2]    S quantized per row by the contract's rule
     y_scale  float32 [M]
     y_offset float32 [M]      zeros (symmetric quantization)
-Attribute: group_list_type (0 default, 1).
+Attributes: group_list_type (0 default, 1); weight_layout ("EKN" default: weight [E, K, N], the
+contract's layout; "ENK": weight [E, N, K], each expert's matrix transposed, K-major). The layout
+changes where W_e[k, n] is stored, never the result. It is a speed choice per device: the CPU
+kernels read "EKN" ("ENK" costs them a transpose of each used expert per Run); on the CUDA EP
+"ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
+4096 tokens, benchmarks/NOTES_moe_cuda.md) and needs compute capability 9.x.
 
 Exact float32 recipe (the spec every kernel matches bit for bit; see ``ort_ops.ops._moe``):
 
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ort_ops.ops._moe import grouped_dequant_matmul, swiglu_f32
+from ort_ops.ops._moe import check_int8, grouped_dequant_matmul, swiglu_f32
 from ort_ops.ops._quant import quantize_rows
 from ort_ops.ops._schema import FLOAT_TYPES, Arg, Attr, OpSchema
 
@@ -54,13 +60,39 @@ SCHEMA = OpSchema(
         Arg("y_scale", ("float32",), doc="[M] per-row scale"),
         Arg("y_offset", ("float32",), doc="[M] zeros (symmetric)"),
     ),
-    attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),),
+    attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),
+           Attr("weight_layout", "string", "EKN", doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (K-major)')),
     doc=__doc__,
 )
 
 
-def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0):
+WEIGHT_LAYOUTS = ("EKN", "ENK")
+
+
+def weight_ekn(x, weight, weight_layout: str = "EKN"):
+    """``weight`` in the contract's [E, K, N] order: checks the attribute and, for "ENK", that the
+    weight is [E, N, K] with K of ``x``, then transposes it (a view). Messages as the kernels'."""
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"{OP}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]) or 'ENK' "
+                         f"(weight [E, N, K]), got '{weight_layout}'")
+    if weight_layout == "EKN":
+        return weight
+    x = check_int8(OP, "x", x, 2)
+    weight = check_int8(OP, "weight", weight, 3)
+    k = x.shape[1]
+    if weight.shape[2] != k:
+        raise ValueError(f"{OP}: input 'weight' must be [E, N, K] = [E, N, {k}] for weight_layout 'ENK' "
+                         f"(K of 'x'), got {list(weight.shape)}")
+    if weight.shape[1] % 2:
+        raise ValueError(f"{OP}: input 'weight' must have an even N (dim 1 for weight_layout 'ENK'), "
+                         f"got {weight.shape[1]}")
+    return weight.transpose(0, 2, 1)
+
+
+def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
+                weight_layout: str = "EKN"):
     """The float32 SwiGLU output S [M, N/2] before quantization and the valid-row mask [M]."""
+    weight = weight_ekn(x, weight, weight_layout)
     n = np.asarray(weight).shape[-1] if np.asarray(weight).ndim == 3 else 0
     if n % 2:
         raise ValueError(f"{OP}: input 'weight' must have an even N (last dim), got {n}")
@@ -80,13 +112,14 @@ def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: i
     return s, valid
 
 
-def reference(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0):
+def reference(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
+              weight_layout: str = "EKN"):
     """numpy GroupedMatmulSwigluQuant (module docstring for shapes and the float32 recipe).
 
     Returns:
         (y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M]).
     """
-    s, valid = swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type)
+    s, valid = swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type, weight_layout)
     y, y_scale = quantize_rows(s, axis=-1)
     y[~valid] = 0
     y_scale[~valid] = 0

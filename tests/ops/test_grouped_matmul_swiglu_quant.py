@@ -221,23 +221,29 @@ def test_row_blocks(rng, gemm_isa):
     assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))
 
 
-def test_constant_weight_initializer(rng, gemm_isa):
-    """A weight of several MB as a constant initializer (the kernel asks for 2 MB pages for it
-    at creation, ORT_OPS_CPU_HUGEPAGES): outputs unchanged, across several runs."""
+def weight_initializer_session(inputs, **attrs):
+    """A CPU session of one node whose input 'weight' is a constant initializer (as in a rewritten
+    model), and the feeds of the other inputs."""
     import onnxruntime as ort
     from onnx import numpy_helper
 
     from ort_ops._lib import session_options
     from ort_ops.ops._schema import single_op_model
 
-    inputs = make_inputs(rng, 24, 1024, 2 * 1536, 4, codes=(-127, 128))  # 12.6 MB of weights
-    model = single_op_model(gmsq.SCHEMA, inputs)
+    model = single_op_model(gmsq.SCHEMA, inputs, **attrs)
     model.graph.initializer.append(numpy_helper.from_array(inputs["weight"], "weight"))
     kept = [i for i in model.graph.input if i.name != "weight"]
     del model.graph.input[:]
     model.graph.input.extend(kept)
     sess = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
-    feeds = {k: v for k, v in inputs.items() if k != "weight"}
+    return sess, {k: v for k, v in inputs.items() if k != "weight"}
+
+
+def test_constant_weight_initializer(rng, gemm_isa):
+    """A weight of several MB as a constant initializer (the kernel asks for 2 MB pages for it
+    at creation, ORT_OPS_CPU_HUGEPAGES): outputs unchanged, across several runs."""
+    inputs = make_inputs(rng, 24, 1024, 2 * 1536, 4, codes=(-127, 128))  # 12.6 MB of weights
+    sess, feeds = weight_initializer_session(inputs)
     want = reference.grouped_matmul_swiglu_quant(**inputs)
     for _ in range(2):
         assert_exact(sess.run(None, feeds), want)

@@ -2,33 +2,111 @@
 // GroupedMatmulSwigluQuant on the CPU EP (DESIGN.md "MoE"; spec: ort_ops/ops/_moe.py and
 // ort_ops/ops/grouped_matmul_swiglu_quant.py). Inputs x int8 [M, K], weight int8 [E, K, N],
 // weight_scale [E, N], x_scale [M] (float32/float16), group_list int64 [E]; outputs y int8
-// [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros). Attribute group_list_type.
+// [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros). Attributes group_list_type and
+// weight_layout ("EKN": weight [E, K, N]; "ENK": [E, N, K], weight_layout.h).
 //
 // Two phases: (1) grouped GEMM tasks write S = SwiGLU(C) as float32 [rows_used, N/2];
 // (2) each finished row is quantized by the contract's rule (the DynamicQuant row kernel). A
 // row needs every tile of its columns before its amax is known, hence the float buffer.
+//
+// "ENK" weights: the GEMM core (grouped_matmul/driver.h) reads [E, K, N], so each expert that has
+// rows in this Run is transposed into a scratch [E, K, N] first (one task per expert; unused
+// experts are neither read nor written). Same codes bit for bit; it costs a pass over the used
+// weights per Run, so "EKN" is the CPU's fast layout ("ENK" is the Hopper wgmma kernel's).
 #include "ops/grouped_matmul_swiglu_quant/op.h"
 
 #include <algorithm>
 #include <memory>
 
+#include "common/convert.h"
 #include "common/cpu_features.h"
 #include "common/parallel.h"
 #include "common/tensor.h"
 #include "ops/dynamic_quant/cpu.h"
 #include "ops/grouped_matmul/driver.h"
 #include "ops/grouped_matmul/validate.h"
+#include "ops/grouped_matmul_swiglu_quant/weight_layout.h"
 
 namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "GroupedMatmulSwigluQuant";
+using gmsq_layout::WeightLayout;
+
+// The Problem of an "ENK" weight, with p.w pointing at `scratch` (the used experts transposed to
+// [K, N]). The checks and messages are read_problem's; only the weight's shape is read in ENK order.
+grouped_matmul::Problem read_problem_enk(Ort::KernelContext& ctx, int64_t group_list_type,
+                                         std::unique_ptr<int8_t[]>& scratch) {
+  using grouped_matmul::Problem;
+  grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
+  gmsq_layout::to_logical_weight(kOp, in, WeightLayout::kENK, true);
+  grouped_matmul::DeviceChecks cpu;
+  cpu.after_weight = [](const char* op, const grouped_matmul::Dims& d) {
+    if (d.k > grouped_matmul::kMaxK)
+      fail_unsupported(op, "K must be <= ", grouped_matmul::kMaxK,
+                       " so the int32 accumulator cannot overflow, got ", d.k);
+  };
+  const grouped_matmul::Dims d = grouped_matmul::validate_inputs(kOp, in, true, cpu);
+  Problem p;
+  p.m = d.m;
+  p.k = d.k;
+  p.n = d.n;
+  p.e = d.e;
+  const int64_t* g = in.group_list.ptr<int64_t>();
+  p.ends.resize(static_cast<size_t>(d.e));
+  int64_t end = 0;
+  for (int64_t i = 0; i < d.e; ++i) {
+    const int64_t v = g[i];
+    if (group_list_type == 1 && v < 0)
+      fail_invalid(kOp, "input 'group_list' must hold counts >= 0, got ", v, " at index ", i);
+    if (group_list_type == 1 && v > d.m - end)
+      fail_invalid(kOp, "input 'group_list' counts must sum to <= ", d.m, " (rows of 'x'), got more");
+    if (group_list_type == 0 && v < end)
+      fail_invalid(kOp, "input 'group_list' must be non-decreasing and >= 0, got ", v, " at index ", i,
+                   " after ", end);
+    end = group_list_type == 1 ? end + v : v;
+    p.ends[static_cast<size_t>(i)] = end;
+  }
+  if (end > d.m) fail_invalid(kOp, "input 'group_list' must end at <= ", d.m, " (rows of 'x'), got ", end);
+  p.rows_used = end;
+  p.x = in.x.ptr<int8_t>();
+  auto scales = [](const InputView& t, std::vector<float>& f32) {
+    if (t.dtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return t.ptr<float>();
+    f32.resize(static_cast<size_t>(t.numel));
+    half_to_float_scalar(t.ptr<uint16_t>(), f32.data(), t.numel);
+    return static_cast<const float*>(f32.data());
+  };
+  p.w_scale = scales(in.weight_scale, p.w_scale_f32);
+  p.x_scale = scales(in.x_scale, p.x_scale_f32);
+
+  std::vector<int64_t> used;  // experts with rows
+  for (int64_t i = 0, start = 0; i < d.e; start = std::max(start, p.ends[static_cast<size_t>(i)]), ++i)
+    if (p.ends[static_cast<size_t>(i)] > start) used.push_back(i);
+  if (used.empty()) return p;
+  // Default-initialized: the pages of experts without rows are never touched.
+  const int64_t kn = d.k * d.n;
+  scratch.reset(new int8_t[static_cast<size_t>(d.e * kn)]);
+  const int8_t* w = in.weight.ptr<int8_t>();
+  int8_t* t = scratch.get();
+  parallel_for(ctx, used.size(), [&](size_t u) {
+    constexpr int64_t kB = 64;  // 64 x 64 byte blocks: both sides stay in L1
+    const int8_t* src = w + used[u] * kn;  // [N, K]
+    int8_t* dst = t + used[u] * kn;        // [K, N]
+    for (int64_t n0 = 0; n0 < d.n; n0 += kB)
+      for (int64_t k0 = 0; k0 < d.k; k0 += kB)
+        for (int64_t n = n0; n < std::min(n0 + kB, d.n); ++n)
+          for (int64_t k = k0; k < std::min(k0 + kB, d.k); ++k) dst[k * d.n + n] = src[n * d.k + k];
+  });
+  p.w = t;
+  return p;
+}
 
 class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
  public:
   explicit GroupedMatmulSwigluQuantCpu(const OrtKernelInfo* info)
       : isa_(selected_isa(kOp)),
         group_list_type_(attr_int(info, "group_list_type", 0)),
+        layout_(gmsq_layout::read_weight_layout(kOp, info)),
         kernels_(grouped_matmul::kernels_for(isa_)),
         quantize_row_(dynamic_quant::quantize_row_fn(isa_)) {
     if (group_list_type_ != 0 && group_list_type_ != 1)
@@ -38,7 +116,10 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const grouped_matmul::Problem p = grouped_matmul::read_problem(kOp, ctx, group_list_type_, true);
+    std::unique_ptr<int8_t[]> weight_ekn;  // "ENK" only: the used experts transposed
+    const grouped_matmul::Problem p =
+        layout_ == WeightLayout::kENK ? read_problem_enk(ctx, group_list_type_, weight_ekn)
+                                      : grouped_matmul::read_problem(kOp, ctx, group_list_type_, true);
     const int64_t h = p.n / 2;
     int8_t* y = make_output<int8_t>(ctx, 0, {p.m, h});
     float* y_scale = make_output<float>(ctx, 1, {p.m});
@@ -67,6 +148,7 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
  private:
   CpuIsa isa_;
   int64_t group_list_type_;
+  WeightLayout layout_;
   grouped_matmul::Kernels kernels_;
   dynamic_quant::QuantizeRowFn quantize_row_;
 };

@@ -1,0 +1,51 @@
+// SPDX-License-Identifier: MIT
+// GroupedMatmulSwigluQuant's attribute weight_layout, shared by the CPU op (op.cc) and the CUDA-EP
+// op (cuda_op_common.h): "EKN" (default) takes weight int8 [E, K, N], the contract's layout;
+// "ENK" takes [E, N, K] (weight[e, n, k] = W_e[k, n], K-major: the Hopper wgmma kernel's B
+// operand, GmsqParams::weight_layout 2). Same result either way; spec:
+// ort_ops/ops/grouped_matmul_swiglu_quant.py (weight_ekn).
+#pragma once
+
+#include <string>
+#include <utility>
+
+#include "common/op_base.h"
+#include "common/tensor.h"
+#include "ops/grouped_matmul/validate.h"
+
+namespace ort_ops::gmsq_layout {
+
+enum class WeightLayout { kEKN, kENK };
+
+// Reads the attribute at kernel creation; an unknown value fails naming the allowed ones.
+inline WeightLayout read_weight_layout(const char* op, const OrtKernelInfo* info) {
+  const std::string s = attr_string(info, "weight_layout", "EKN");
+  if (s == "EKN") return WeightLayout::kEKN;
+  if (s == "ENK") return WeightLayout::kENK;
+  fail_invalid(op, "attribute 'weight_layout' must be 'EKN' (weight [E, K, N]) or 'ENK' (weight [E, N, K]), got '",
+               s, "'");
+}
+
+// For "ENK": checks that the weight's K (last dim) is x's and N (dim 1) is even, then gives
+// in.weight the logical shape [E, K, N] so that grouped_matmul::validate_inputs' checks (and
+// their messages for every other input) apply unchanged. Presence, dtype and rank errors are
+// left to validate_inputs, which reports them first for either layout.
+inline void to_logical_weight(const char* op, grouped_matmul::Inputs& in, WeightLayout layout,
+                              bool even_n) {
+  if (layout != WeightLayout::kENK) return;
+  constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  const InputView& x = in.x;
+  InputView& w = in.weight;
+  if (!x.present || !w.present || !in.weight_scale.present || !in.x_scale.present ||
+      !in.group_list.present || x.dtype != I8 || x.rank() != 2 || w.dtype != I8 || w.rank() != 3)
+    return;
+  if (w.dim(2) != x.dim(1))
+    fail_invalid(op, "input 'weight' must be [E, N, K] = [E, N, ", x.dim(1),
+                 "] for weight_layout 'ENK' (K of 'x'), got ", shape_str(w.shape));
+  if (even_n && w.dim(1) % 2 != 0)
+    fail_invalid(op, "input 'weight' must have an even N (dim 1 for weight_layout 'ENK'), got ",
+                 w.dim(1));
+  std::swap(w.shape[1], w.shape[2]);
+}
+
+}  // namespace ort_ops::gmsq_layout
