@@ -27,7 +27,8 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     model = load_model(args.input)
     _status(args, "rewriting")
     model, results = rewrite_model(model, None, block_size=args.block_size, pv_quant=args.pv_quant,
-                                   qk_quant=args.qk_quant, attention=args.attention, moe=args.moe)
+                                   qk_quant=args.qk_quant, attention=args.attention, moe=args.moe,
+                                   moe_weight_layout=args.moe_weight_layout)
     _status(args, f"writing {args.output}")
     save_model(model, args.output)
     report = {
@@ -165,6 +166,11 @@ def register(sub) -> None:
     rw.add_argument("--qk-quant", choices=("s8", "none"), default="s8", help="Q.K quantization (default s8)")
     _bool_flag(rw, "attention", "run the attention fusion (default on)")
     _bool_flag(rw, "moe", "run the MoE fusion (default on)")
+    rw.add_argument("--moe-weight-layout", choices=("EKN", "ENK"), default="EKN",
+                    help="how the MoE gate/up weights are stored: EKN [E, H, 2I] (default; fastest on "
+                         "CPU and pre-Hopper GPUs) or ENK [E, 2I, H], transposed offline for the Hopper "
+                         "wgmma kernel (H100/H200, prefill-heavy serving; needs compute capability 9.x "
+                         "on CUDA)")
     rw.add_argument("--json", action="store_true", help="machine-readable report")
     rw.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     rw.set_defaults(func=_cmd_rewrite)

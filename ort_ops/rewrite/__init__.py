@@ -38,7 +38,7 @@ def save_model(model, path) -> None:
 
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
-                  attention: bool = True, moe: bool = True):
+                  attention: bool = True, moe: bool = True, moe_weight_layout: str = "EKN"):
     """Runs the fusions on a model.
 
     Args:
@@ -48,6 +48,10 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         pv_quant: P.V quantization of PagedAttentionInt8 ("s8", "u8" or "none").
         qk_quant: Q.K quantization ("s8" or "none").
         attention, moe: which fusions run.
+        moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
+            "EKN" ([E, H, 2I], the default; the fast layout on CPU and pre-Hopper GPUs) or "ENK"
+            ([E, 2I, H], transposed offline; the Hopper wgmma kernel's, for prefill-heavy serving
+            on H100/H200; needs compute capability 9.x on the CUDA EP).
 
     Returns:
         (onnx_ir.Model, list of pipeline.FusionResult).
@@ -60,9 +64,12 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         raise ValueError(f"rewrite: qk_quant must be one of s8, none, got '{qk_quant}'")
     if block_size < 1 or block_size & (block_size - 1) or not 8 <= block_size <= 256:
         raise ValueError(f"rewrite: block_size must be a power of two in 8..256, got {block_size}")
+    from ort_ops.rewrite.moe import check_weight_layout
+
+    check_weight_layout(moe_weight_layout)
     m = load_model(model) if isinstance(model, (str, Path)) else model
     options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
-                             attention=attention, moe=moe)
+                             attention=attention, moe=moe, moe_weight_layout=moe_weight_layout)
     results = run_fusions(m, options)
     if output is not None:
         save_model(m, output)

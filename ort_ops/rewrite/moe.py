@@ -12,7 +12,10 @@ B batch, S sequence.
 Expert weights come from constant initializers and are quantized offline per output channel
 (``ort_ops.ops.moe_layer.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
 the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, H] with scales
-[E, H]. The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
+[E, H]. With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
+gate_up is stored transposed, int8 [E, 2I, H], and GroupedMatmulSwigluQuant says so with its
+attribute ``weight_layout="ENK"``: the Hopper wgmma kernel's operand, packed here offline (same
+outputs; on CPU "EKN" is the faster layout). The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
 with the graph's own routing.
 
 Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py``): torch.onnx dynamo
@@ -752,15 +755,36 @@ def _initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
     return v
 
 
+WEIGHT_LAYOUTS = ("EKN", "ENK")
+
+
+def check_weight_layout(weight_layout: str) -> None:
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"rewrite: moe_weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, "
+                         f"got '{weight_layout}'")
+
+
+def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
+    """GroupedMatmulSwigluQuant's weight as stored for ``weight_layout`` and the node attributes:
+    "EKN" [E, H, 2I] as quantized (no attribute: the op's default), "ENK" transposed [E, 2I, H]."""
+    check_weight_layout(weight_layout)
+    if weight_layout == "EKN":
+        return gu_q, {}
+    return np.ascontiguousarray(gu_q.transpose(0, 2, 1)), {"weight_layout": weight_layout}
+
+
 def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
-                    w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> tuple[list[ir.Node], ir.Value, int]:
+                    w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
+                    weight_layout: str = "EKN") -> tuple[list[ir.Node], ir.Value, int]:
     """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
-    gate/up [E, H, I], down [E, I, H]. Returns (nodes, out [T, H] float32, bytes of the INT8
-    weights and scales). Nodes are not yet inserted."""
+    gate/up [E, H, I], down [E, I, H]; ``weight_layout`` is GroupedMatmulSwigluQuant's ("EKN" or
+    "ENK", the gate/up weight then stored [E, 2I, H]). Returns (nodes, out [T, H] float32, bytes of
+    the INT8 weights and scales). Nodes are not yet inserted."""
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     e = w_gate.shape[0]
     gu_q, gu_s = quantize_expert_weights(np.concatenate([w_gate, w_up], axis=2))
+    gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
     dn_q, dn_s = quantize_expert_weights(w_down)
     inits = [_initializer(graph, f"{prefix}/gate_up_int8", gu_q),
              _initializer(graph, f"{prefix}/gate_up_scale", gu_s),
@@ -781,7 +805,7 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
         weights = add("Cast", [weights], domain="", to=int(ir.DataType.FLOAT))[0]
     sorted_x, s2f, groups = add("MoeInitRouting", [x, ids32], 3, num_experts=e)
     xq, xs = add("DynamicQuant", [sorted_x], 2)
-    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3)
+    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups])[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
     nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
@@ -797,12 +821,12 @@ def _replace_value(old: ir.Value, new: ir.Value) -> None:
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
 
 
-def _replace_block(model: ir.Model, block: _Block) -> tuple[int, ir.Value]:
+def _replace_block(model: ir.Model, block: _Block, weight_layout: str = "EKN") -> tuple[int, ir.Value]:
     graph = model.graph
     cand = block.cand
     prefix = f"moe_int8/{cand.topk.name or 'block'}"
     nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights,
-                                         block.w_gate, block.w_up, block.w_down)
+                                         block.w_gate, block.w_up, block.w_down, weight_layout)
     if block.reshape_to_hidden:
         shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
         rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
@@ -835,7 +859,8 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
     return n.inputs[0], w.astype(np.float32)
 
 
-def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str) -> dict | None:
+def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
+                        weight_layout: str = "EKN") -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -882,14 +907,15 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str) -> d
             if (x.shape is None or len(x.shape) != 2 or x.dtype != ir.DataType.FLOAT or wu.shape != wg.shape
                     or wd.shape != (wg.shape[1], wg.shape[0])):
                 continue
-            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out)
+            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout)
     return None
 
 
-def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out) -> dict:
+def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN") -> dict:
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
+    gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
     dn_q, dn_s = quantize_expert_weights(wd[None])
     inits = [_initializer(graph, f"{prefix}/{n}", a) for n, a in
              [("gate_up_int8", gu_q), ("gate_up_scale", gu_s), ("down_int8", dn_q), ("down_scale", dn_s)]]
@@ -904,7 +930,7 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out) -> dict:
 
     groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
     xq, xs = add("DynamicQuant", [x], 2)
-    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3)
+    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups])[0]
     graph.insert_after(mlp_out.producer(), nodes)
     _replace_value(mlp_out, y)
@@ -1002,7 +1028,7 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return gate, up, w2, desc + (f", {bits}-bit" if qmoe else "")
 
 
-def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
+def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") -> dict:
     """Replaces one com.microsoft MoE / QMoE node (weights [E, out, in], ORT >= 1.22 layout)."""
     where = node.name or node.op_type
     x, logits = node.inputs[0], node.inputs[1]
@@ -1034,7 +1060,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node) -> dict:
         s = add("ReduceSum", [vals, _initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
         wts = add("Div", [vals, s])[0]
     nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, gate.transpose(0, 2, 1),
-                                         up.transpose(0, 2, 1), down.transpose(0, 2, 1))
+                                         up.transpose(0, 2, 1), down.transpose(0, 2, 1), weight_layout)
     nodes = pre + nodes
     if x2 is not x:
         shp = ir.node("Shape", [x], name=f"{prefix}/Shape")
@@ -1061,12 +1087,14 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
     (float32) and after (int8 + float32 scales).
     """
     result = FusionResult(kind="moe")
+    layout = getattr(options, "moe_weight_layout", "EKN")
+    check_weight_layout(layout)  # before any change to the model
     blocks_info: list[dict] = []
     graph = model.graph
     for node in list(graph):
         if node.domain == "com.microsoft" and node.op_type in ("MoE", "QMoE"):
             try:
-                blocks_info.append(_fuse_contrib(model, node))
+                blocks_info.append(_fuse_contrib(model, node, layout))
                 result.fused += 1
             except _Declined as e:
                 result.declined.append(Decline(node.name or node.op_type, str(e)))
@@ -1111,14 +1139,15 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 result.declined.append(Decline(c.topk.name, str(e)))
         shared_int8 = getattr(options, "moe_shared_expert", "int8") == "int8"
         for b in blocks:
-            nbytes, out = _replace_block(model, b)
+            nbytes, out = _replace_block(model, b, layout)
             result.fused += 1
             info = {
                 "where": b.cand.topk.name, "form": b.form, "experts": b.cand.num_experts,
                 "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
                 "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
                 "weight_bytes_after": nbytes}
-            shared = _fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared") if shared_int8 else None
+            shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout)
+                      if shared_int8 else None)
             if shared:
                 info["shared_expert"] = shared
                 info["weight_bytes_before"] += shared["weight_bytes_before"]
@@ -1128,9 +1157,13 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
             model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
             RemoveUnusedNodesPass()(model)
     result.details["blocks"] = blocks_info
+    if blocks_info:
+        result.details["weight_layout"] = layout
     # For ``ort-ops rewrite``'s one-line summary: blocks per form, and the expert weight bytes.
     result.details["forms"] = dict(collections.Counter(b["form"].split(":")[0].split(" (")[0] for b in blocks_info))
     if blocks_info:
         result.details["forms"]["expert weight bytes"] = "{} -> {}".format(
             sum(b["weight_bytes_before"] for b in blocks_info), sum(b["weight_bytes_after"] for b in blocks_info))
+        if layout != "EKN":
+            result.details["forms"]["weight layout"] = layout
     return result

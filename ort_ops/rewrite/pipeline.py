@@ -23,6 +23,7 @@ class RewriteOptions:
     attention: bool = True
     moe: bool = True
     moe_shared_expert: str = "int8"  # int8 (one always-on expert through the MoE GEMMs) | float
+    moe_weight_layout: str = "EKN"  # GroupedMatmulSwigluQuant's weight: EKN [E, H, 2I] | ENK [E, 2I, H]
 
 
 @dataclasses.dataclass

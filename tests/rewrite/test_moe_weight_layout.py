@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: MIT
+"""The MoE rewrite's weight_layout option (``ort-ops rewrite --moe-weight-layout ENK``): the
+gate/up weight of every GroupedMatmulSwigluQuant it emits (routed blocks, the com.microsoft MoE
+form and the shared expert) is stored [E, 2I, H] with the node attribute weight_layout="ENK",
+and the model's outputs on CPU are bit-identical to the default ("EKN") rewrite's."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import numpy_helper
+
+from ort_ops.cli import main
+from ort_ops.rewrite.moe import fuse_moe
+from ort_ops.rewrite.pipeline import RewriteOptions
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "moe"
+# One fixture per emission path: stacked experts, com.microsoft MoE, stacked + shared expert.
+CASES = ["mixtral_dynamo_batched", "mixtral_tfexport_ortcuda", "qwen2moe_dynamo_shared"]
+
+
+def _rewrite(name: str, layout: str) -> onnx.ModelProto:
+    model = ir.load(str(FIXTURES / f"{name}.onnx"))
+    result = fuse_moe(model, RewriteOptions(moe_weight_layout=layout))
+    assert result.fused == 1, result.declined
+    return ir.to_proto(model)
+
+
+def _swiglu_weights(model: onnx.ModelProto) -> list[tuple[str | None, np.ndarray]]:
+    """(weight_layout attribute or None, weight initializer) of each GroupedMatmulSwigluQuant."""
+    inits = {t.name: t for t in model.graph.initializer}
+    out = []
+    for node in model.graph.node:
+        if node.op_type == "GroupedMatmulSwigluQuant":
+            attrs = {a.name: a.s.decode() for a in node.attribute if a.name == "weight_layout"}
+            out.append((attrs.get("weight_layout"), numpy_helper.to_array(inits[node.input[1]])))
+    return out
+
+
+def _logits(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
+    from ort_ops.runtime import DenseRunner
+
+    ids = np.asarray(ids, np.int64).reshape(1, -1)
+    return DenseRunner(model.SerializeToString(), with_library=True).run(ids, np.ones_like(ids), None)[0][0]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_enk_rewrite_matches_ekn_bit_for_bit(name, rng):
+    ekn, enk = _rewrite(name, "EKN"), _rewrite(name, "ENK")
+    wa, wb = _swiglu_weights(ekn), _swiglu_weights(enk)
+    assert len(wa) == len(wb) >= 1 and len(wa) == (2 if "shared" in name else 1)
+    for (la, a), (lb, b) in zip(wa, wb):
+        assert la is None and lb == "ENK"  # EKN is the op's default: no attribute written
+        assert b.shape == (a.shape[0], a.shape[2], a.shape[1])
+        np.testing.assert_array_equal(b, a.transpose(0, 2, 1))
+    vocab = 64  # the export script's vocabulary
+    for length in (1, 5, 37):  # decode-sized and prompt-sized inputs, fresh random tokens
+        ids = rng.integers(3, vocab, length)
+        la, lb = _logits(ekn, ids), _logits(enk, ids)
+        assert np.isfinite(la).all()
+        np.testing.assert_array_equal(lb, la)
+
+
+def test_bad_layout_refused_before_any_change():
+    model = ir.load(str(FIXTURES / "mixtral_dynamo_batched.onnx"))
+    before = len(list(model.graph))
+    with pytest.raises(ValueError, match=r"moe_weight_layout must be one of EKN, ENK, got 'NKE'"):
+        fuse_moe(model, RewriteOptions(moe_weight_layout="NKE"))
+    assert len(list(model.graph)) == before
+    from ort_ops.rewrite import rewrite_model
+
+    with pytest.raises(ValueError, match=r"moe_weight_layout must be one of EKN, ENK, got 'ekn'"):
+        rewrite_model(str(FIXTURES / "mixtral_dynamo_batched.onnx"), moe_weight_layout="ekn")
+
+
+def test_cli_moe_weight_layout_flag(tmp_path, capsys):
+    src = FIXTURES / "mixtral_dynamo_batched.onnx"
+    out = tmp_path / "enk.onnx"
+    assert main(["rewrite", "--quiet", "--moe-weight-layout", "ENK", str(src), str(out)]) == 0
+    assert "weight layout: ENK" in capsys.readouterr().out
+    assert [layout for layout, _ in _swiglu_weights(onnx.load(str(out)))] == ["ENK"]
+    out2 = tmp_path / "ekn.onnx"
+    assert main(["rewrite", "--quiet", "--json", str(src), str(out2)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "weight layout" not in report["results"][0]["details"]["forms"]
+    assert [layout for layout, _ in _swiglu_weights(onnx.load(str(out2)))] == [None]
+    with pytest.raises(SystemExit):
+        main(["rewrite", "--quiet", "--moe-weight-layout", "KNE", str(src), str(out2)])
+    assert "invalid choice: 'KNE'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["rewrite", "--help"])
+    assert "--moe-weight-layout {EKN,ENK}" in capsys.readouterr().out
