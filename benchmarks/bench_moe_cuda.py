@@ -8,7 +8,9 @@ Peers, each captured in a CUDA graph and timed with events around the replay, L2
 reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
   ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out)
   packed B  ours with the weights pre-packed per 128-column tile (cuda.cuh weight_layout 1)
-  wgmma     ours on Hopper wgmma with K-major weights [E, N, K] (cuda_wgmma.cuh weight_layout 2)
+  layout2   ours on K-major weights [E, N, K] (weight_layout 2): config bm128 is the Hopper wgmma
+            kernel (cuda_wgmma.cuh), bm16/bm16w/bm32/bm64 the mma.sync kernel reading B with
+            ldmatrix, auto picks by rows per expert (what a graph packing layout 2 gets)
   floor     the same launch with every group empty (memset + launch + tile map + tail fill):
             the op's fixed cost
   bf16      torch._grouped_mm bf16 GEMM + torch SwiGLU (fp32) + torch per-row INT8 quantization
@@ -112,8 +114,10 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=1408)
     ap.add_argument("--configs", default="auto", help="kernel tile configs to time: auto,bm16,bm64,bm128")
-    ap.add_argument("--wg-configs", default="auto",
-                    help="wgmma kernel (weight layout 2, sm_90 only) configs to time; '' for none")
+    ap.add_argument("--wg-configs", default="auto,bm128",
+                    help="weight layout 2 ([E, N, K], sm_90 only) configs to time (bm128: the wgmma "
+                         "kernel; auto: by rows per expert); '' for none")
+    ap.add_argument("--no-packed", action="store_true", help="skip the packed-B (layout 1) row")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--flush", choices=["read", "write"], default="read",
@@ -144,7 +148,7 @@ def main(argv=None):
         w = rng.integers(-127, 128, (e, k_dim, n_dim), dtype=np.int8)
         ws = (rng.uniform(0.2, 1.0, (e, n_dim)) / 127).astype(np.float32)
         w_d = torch.from_numpy(w).to(dev)
-        w_packed = pack_weight(w_d)  # weight_layout 1: one contiguous run per CTA
+        w_packed = None if args.no_packed else pack_weight(w_d)  # weight_layout 1: one run per CTA
         wg_configs = [c for c in args.wg_configs.split(",") if c] if torch.cuda.get_device_capability()[0] == 9 else []
         w_km = pack_weight_kmajor(w_d) if wg_configs else None  # weight_layout 2 ([E, N, K])
         ws_d = torch.from_numpy(ws).to(dev)
@@ -182,11 +186,12 @@ def main(argv=None):
                 runner = GmsqRunner(x_d, w_km, ws_d, xs_d, gl_d, config=cfg, layout=2)
                 if not args.no_check:
                     err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
-                    print(f"{label}: check vs reference (wgmma {cfg}): err word {err}, codes equal {eq:.6f}, "
+                    print(f"{label}: check vs reference (layout 2 {cfg}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)
-                results[f"ours wgmma[{cfg}] [E,N,K]"] = time_graph(torch, runner.launch, args.iters, flush)
-            packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
-            results["ours[auto] packed B"] = time_graph(torch, packed.launch, args.iters, flush)
+                results[f"ours layout2[{cfg}] [E,N,K]"] = time_graph(torch, runner.launch, args.iters, flush)
+            if not args.no_packed:
+                packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
+                results["ours[auto] packed B"] = time_graph(torch, packed.launch, args.iters, flush)
             floor = GmsqRunner(x_d, w_d, ws_d, xs_d, torch.zeros_like(gl_d))
             results["ours floor (no rows)"] = time_graph(torch, floor.launch, args.iters, flush)
 

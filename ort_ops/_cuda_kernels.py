@@ -74,7 +74,8 @@ class GmsqRunner:
         packed: ``weight`` is ``pack_weight(w)`` (layout 1 of cuda.cuh) rather than [E, K, N];
             the shapes (K, N) come from ``n`` then.
         layout: the weight layout passed to the launcher; None: 1 when ``n`` is given, else 0.
-            2 is ``pack_weight_kmajor(w)``, [E, N, K], for the Hopper wgmma kernel (swiglu only).
+            2 is ``pack_weight_kmajor(w)``, [E, N, K] (swiglu only): config bm128 is the Hopper
+            wgmma kernel, the others the mma.sync kernel's K-major path; auto picks by M / E.
     """
 
     def __init__(self, x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,

@@ -44,13 +44,14 @@ def torch_sm90():
 
 
 def _run_wgmma(torch, x, w, ws, xs, gl, group_list_type=0):
-    """Launch with weight_layout 2 on NaN/0x55-poisoned outputs: (y, y_scale, y_offset), err."""
+    """Launch with weight_layout 2, config bm128 (the wgmma kernel at any M; auto picks the mma.sync
+    K-major path at small M: test_moe_kmajor_cuda.py) on NaN/0x55-poisoned outputs."""
     from ort_ops._cuda_kernels import GmsqRunner, pack_weight_kmajor
 
     dev = torch.device("cuda")
     t = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
     t[1] = pack_weight_kmajor(t[1])
-    r = GmsqRunner(*t, group_list_type=group_list_type, layout=2)
+    r = GmsqRunner(*t, group_list_type=group_list_type, config="bm128", layout=2)
     r.poison()
     r.launch()
     err = r.error_word()

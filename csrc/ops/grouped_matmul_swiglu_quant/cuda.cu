@@ -25,6 +25,9 @@
 // results are the B registers of four n8 tiles whose "column g" is physical column 4g + i.
 // Relabelling columns this way is free: in the accumulators, lane (g, t) then holds physical
 // columns 8t..8t+7 of rows g and g+8, so the epilogue stores 8 contiguous codes per row.
+// weight_layout 2 ([E, N, K], template flag KM) needs no transpose: B registers come from
+// ldmatrix on a [column][k] tile whose rows are permuted to give the same relabelling (see
+// the note above gmsq_kernel), so the epilogue is shared unchanged.
 //
 // Exactness: every float32 operation of the reference is done with an explicit _rn intrinsic
 // in the reference's order (no FMA contraction), including the contract's polynomial exp.
@@ -149,9 +152,16 @@ struct Scratch {
 // [N/2, N), and the epilogue stores C with no row max and no cross-CTA wait.
 enum Mode : int { kSwiglu = 0, kDequant = 1 };
 
-template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
+// KM: weight_layout 2 ([E, N, K], K-major; MODE kSwiglu only). The B tile is then stored like
+// the A tile, [kBRow GEMM columns][64 k bytes] with the same chunk swizzle, and read with
+// ldmatrix (each B register is 4 consecutive k of one column: no transpose). Within a warp's
+// 32 columns of each half, physical column c sits in smem row (c % 4) * 8 + c / 4, so the 8
+// rows one ldmatrix matrix reads (n8 tile i, column n = physical 4n + i: the layout-0
+// relabelling, hence the same epilogue) are 8 consecutive, conflict-free rows.
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE, bool KM>
 __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kThreads, 1)
     gmsq_kernel(const GmsqParams p, const Scratch ws, const int col_tiles) {
+  static_assert(!KM || MODE == kSwiglu, "layout 2 is GroupedMatmulSwigluQuant only");
   using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
   constexpr int BM = C::kBM;
   constexpr int T = C::kThreads;
@@ -205,6 +215,13 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
                     (((q * (kChunks / 2) + wn * 2 + (g >> 2)) ^ (t << 1)) << 4) + (g & 3) * 4;
   const int a_row_in = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix row of this lane
   const int a_chunk_hi = lane >> 4;                          // k 0-15 or 16-31 of a k32 step
+  // KM: lane L gives the row of matrix L / 8 of an ldmatrix.x4: n8 tile (L / 16) (+2 per x4,
+  // +4 for the up half), k half (L / 8) % 2, column n = L % 8. Offset for kb 0; kb 1 is ^ 32.
+  uint32_t kb_off = 0;
+  if constexpr (KM) {
+    const int sr = wn * 32 + (lane >> 4) * 8 + (lane & 7);
+    kb_off = sr * kBK + ((((lane >> 3) & 1) ^ ((sr >> 1) & 3)) << 4);
+  }
 
   for (int rb = slot; rb < total_blocks; rb += slots) {
     const int e = epi::expert_of_block(blk_s, E, rb);
@@ -213,7 +230,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
     const int8_t* xg = p.x + static_cast<int64_t>(row0) * K;
     // [E, K, N]: row kk of the tile is two 128-byte runs N/2 apart. Packed (weight_layout 1,
     // [E, C, K, 2 * kBNh]): the CTA's whole B stream is one contiguous run.
-    const int8_t* wg = p.weight_layout == 0
+    const int8_t* wg = KM || p.weight_layout == 0
                            ? p.weight + static_cast<int64_t>(e) * K * N
                            : p.weight + (static_cast<int64_t>(e) * col_tiles + ct) * K * kBRow;
 
@@ -240,11 +257,22 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
       a_dst[j] = (i < BM * 4) ? r * kBK + ((ch ^ ((r >> 1) & 3)) << 4) : 0;
       a_k[j] = used ? ch * 16 : INT_MAX;
     }
-    const int64_t b_step = p.weight_layout == 0 ? static_cast<int64_t>(kBK) * N
-                                                : static_cast<int64_t>(kBK) * kBRow;
+    const int64_t b_step = KM                    ? static_cast<int64_t>(kBK)
+                           : p.weight_layout == 0 ? static_cast<int64_t>(kBK) * N
+                                                  : static_cast<int64_t>(kBK) * kBRow;
 #pragma unroll
     for (int j = 0; j < kBPer; ++j) {
       const int i = j * T + tid;
+      if constexpr (KM) {  // smem row sr (see the kernel note), 16-byte k chunk ch of it
+        const int sr = i >> 2, ch = i & 3;
+        const int pr = sr % 32;
+        const int hcol = col0 + (sr % kBNh) / 32 * 32 + (pr & 7) * 4 + (pr >> 3);
+        const int col = (sr >= kBNh ? half : 0) + (hcol < half ? hcol : 0);
+        b_src[j] = wg + static_cast<int64_t>(col) * K + ch * 16;
+        b_dst[j] = C::kAStage + sr * kBK + ((ch ^ ((sr >> 1) & 3)) << 4);
+        b_k[j] = hcol < half ? ch * 16 : INT_MAX;
+        continue;
+      }
       const int kr = i / kChunks, cc = i % kChunks;
       const int hcol = col0 + (cc % (kChunks / 2)) * 16;
       const int col = (cc >= kChunks / 2 ? half : 0) + hcol;
@@ -308,6 +336,18 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
           ldmatrix_x4(a[mt], as_addr + r * kBK + ((ch ^ ((r >> 1) & 3)) << 4));
         }
         uint32_t b[8][2];
+        if constexpr (KM) {
+#pragma unroll
+          for (int q2 = 0; q2 < 4; ++q2) {
+            uint32_t r[4];
+            ldmatrix_x4(r, bs_addr + (kb_off ^ (kb << 5)) +
+                               ((q2 & 1) * 16 + (q2 >> 1) * kBNh) * kBK);
+            b[2 * q2][0] = r[0];
+            b[2 * q2][1] = r[1];
+            b[2 * q2 + 1][0] = r[2];
+            b[2 * q2 + 1][1] = r[3];
+          }
+        } else {
 #pragma unroll
         for (int q = 0; q < 2; ++q)
 #pragma unroll
@@ -318,6 +358,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
               w[r] = lds32(bs_addr + b_lane_off[q] + (kb * 32 + h * 16 + r) * kBRow);
             transpose4x4(w, b[q * 4 + 0][h], b[q * 4 + 1][h], b[q * 4 + 2][h], b[q * 4 + 3][h]);
           }
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           if ((wm * MT + mt) * 16 < rows) {  // warp-uniform: skip m tiles with no valid row
@@ -500,7 +541,7 @@ struct LaunchInfo {
   cudaError_t err = cudaSuccess;
 };
 
-template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE, bool KM>
 LaunchInfo launch_info(int device) {
   // Per device: raise the kernel's dynamic shared-memory limit once, read its occupancy.
   static std::mutex mu;
@@ -511,7 +552,7 @@ LaunchInfo launch_info(int device) {
   if (!done[device]) {
     using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
     LaunchInfo li;
-    auto kernel = gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>;
+    auto kernel = gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE, KM>;
     li.err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
     if (li.err == cudaSuccess)
       li.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&li.blocks_per_sm, kernel,
@@ -524,15 +565,15 @@ LaunchInfo launch_info(int device) {
   return cache[device];
 }
 
-template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE>
+template <int WARPS_M, int WARPS_N, int MT, int STAGES, int KSPLIT, int MODE, bool KM = false>
 cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t stream) {
   using C = Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>;
   constexpr int kBNh = C::kBNh;
-  if (p.weight_layout != 0 && kBNh != kGmsqPackedCols) return cudaErrorInvalidValue;
+  if (p.weight_layout == 1 && kBNh != kGmsqPackedCols) return cudaErrorInvalidValue;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  const LaunchInfo li = launch_info<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>(device);
+  const LaunchInfo li = launch_info<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE, KM>(device);
   if (li.err != cudaSuccess) return li.err;
   const int64_t half = p.n / 2;
   const int col_tiles = static_cast<int>(std::max<int64_t>(1, (half + kBNh - 1) / kBNh));
@@ -542,8 +583,8 @@ cudaError_t launch_cfg(const GmsqParams& p, const Scratch& s, cudaStream_t strea
   if (slots < 1) return cudaErrorCooperativeLaunchTooLarge;  // N/2 needs more co-resident CTAs
   const epi::CooperativeLaunch launch(static_cast<unsigned>(slots * col_tiles), C::kThreads,
                                       C::kSmem, stream);
-  return cudaLaunchKernelEx(&launch.cfg, gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE>, p, s,
-                            col_tiles);
+  return cudaLaunchKernelEx(&launch.cfg, gmsq_kernel<WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE, KM>,
+                            p, s, col_tiles);
 }
 
 size_t align16(size_t v) { return (v + 15) / 16 * 16; }
@@ -570,13 +611,24 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t e) {
 
 namespace {
 
+// Rows per expert on average: few rows make the op a weight stream (small BM); many rows make
+// it a GEMM (BM 128 reuses each B tile 128 times). Thresholds from the H200 runs of
+// benchmarks/bench_moe_cuda.py (bm16w best up to 32 rows per expert, bm64 at 64, bm128 at
+// 1024); the k-split variants (bm16, bm32) never won. For weight_layout 2, bm128 means the
+// wgmma kernel (128-row tiles).
+int auto_config(int64_t m, int64_t e) {
+  const int64_t avg = e > 0 ? m / e : m;
+  return avg <= 32 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
+}
+
 template <int MODE>
 cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   if (p.m < 0 || p.m >= (int64_t{1} << 31) || p.k < 0 || p.k > kMaxK || p.k % 16 != 0 ||
       p.n < 0 || p.n % 32 != 0 || p.e < 0 || p.e > kGmsqMaxExperts ||
       (p.group_list_type != 0 && p.group_list_type != 1) || p.config < kGmsqAuto ||
       p.config >= kGmsqNumConfigs || p.n * (p.m / 2 + 1) >= (int64_t{1} << 40) ||
-      (p.weight_layout != 0 && p.weight_layout != 1))
+      (p.weight_layout != 0 && p.weight_layout != 1 &&
+       (MODE != kSwiglu || p.weight_layout != kGmsqLayoutKMajor || p.config == kGmsqBm128)))
     return cudaErrorInvalidValue;
   Scratch s;
   s.err = static_cast<int*>(p.workspace);
@@ -594,14 +646,17 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
       return err;
     return cudaMemsetAsync(p.y_offset, 0, 4 * p.m, stream);
   }
-  int config = p.config;
-  if (config == kGmsqAuto) {
-    // Rows per expert on average: few rows make the op a weight stream (small BM); many rows
-    // make it a GEMM (BM 128 reuses each B tile 128 times). Thresholds from the H200 runs of
-    // benchmarks/bench_moe_cuda.py (bm16w best up to 32 rows per expert, bm64 at 64, bm128 at
-    // 1024); the k-split variants (bm16, bm32) never won.
-    const int64_t avg = p.m / p.e;
-    config = avg <= 32 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
+  const int config = p.config == kGmsqAuto ? auto_config(p.m, p.e) : p.config;
+  if constexpr (MODE == kSwiglu) {
+    if (p.weight_layout == kGmsqLayoutKMajor) {
+      switch (config) {  // bm128 is the wgmma kernel's (launch_gmsq)
+        case kGmsqBm16: return launch_cfg<1, 2, 1, 8, 2, MODE, true>(p, s, stream);
+        case kGmsqBm64: return launch_cfg<2, 4, 2, 4, 1, MODE, true>(p, s, stream);
+        case kGmsqBm16Wide: return launch_cfg<1, 4, 1, 6, 1, MODE, true>(p, s, stream);
+        case kGmsqBm32: return launch_cfg<1, 2, 2, 6, 2, MODE, true>(p, s, stream);
+        default: return cudaErrorInvalidValue;
+      }
+    }
   }
   switch (config) {
     //                                 WARPS_M, WARPS_N, MT, STAGES, KSPLIT, MODE
@@ -616,8 +671,11 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
-  // weight_layout 2 ([E, N, K], K-major): the Hopper wgmma kernel (cuda_wgmma.cu).
-  if (p.weight_layout == kGmsqLayoutKMajor) return launch_gmsq_wgmma(p, stream);
+  // weight_layout 2 ([E, N, K], K-major): the Hopper wgmma kernel (cuda_wgmma.cu) for bm128
+  // (auto: more than 96 rows an expert on average), else this kernel's K-major B path.
+  if (p.weight_layout == kGmsqLayoutKMajor &&
+      (p.config == kGmsqBm128 || (p.config == kGmsqAuto && auto_config(p.m, p.e) == kGmsqBm128)))
+    return launch_gmsq_wgmma(p, stream);
   return launch_mode<kSwiglu>(p, stream);
 }
 

@@ -5,7 +5,8 @@
 //
 // Alphabet: M rows, K reduction, N GEMM columns (N/2 outputs), E experts.
 //   x        int8    [M, K]          row-major
-//   weight   int8    [E, K, N]       row-major (the contract's layout; transposed in registers)
+//   weight   int8    [E, K, N]       row-major (the contract's layout; transposed in registers),
+//                                    or [E, N, K] with weight_layout 2 (launch_gmsq only)
 //   w_scale  float32 [E, N]
 //   x_scale  float32 [M]
 //   group_list int64 [E]             device memory; cumulative ends (type 0) or counts (type 1)
@@ -59,7 +60,9 @@ struct GmsqParams {
   // 0: weight [E, K, N] (the contract). 1: packed per 128-column tile, [E, C, K, 256] with
   // C = ceil(N/2 / 128) and row k of tile c = W[k, 128c .. +128) | W[k, N/2 + 128c .. +128),
   // zero-padded past N/2 (ort_ops._cuda_kernels.pack_weight). Configs bm16w, bm64, bm128 only.
-  // 2: [E, N, K] (K-major), the Hopper wgmma kernel's (cuda_wgmma.cuh; launch_gmsq only).
+  // 2: [E, N, K] (K-major; launch_gmsq only): config bm128 is the Hopper wgmma kernel
+  // (cuda_wgmma.cuh), bm16 / bm16w / bm32 / bm64 this kernel with ldmatrix B reads; auto picks
+  // bm16w / bm64 up to 96 rows an expert on average, wgmma above.
   int weight_layout = 0;
 };
 constexpr int kGmsqPackedCols = 128;
