@@ -20,6 +20,8 @@
 #include "cuda/ort_cuda.h"
 #include "ops/grouped_matmul/validate.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+#include "ops/grouped_matmul_swiglu_quant/cuda_wgmma.cuh"
+#include "ops/grouped_matmul_swiglu_quant/weight_layout.h"
 
 namespace ort_ops::gmsq_cuda {
 
@@ -28,10 +30,14 @@ using cuda_util::OrtCudaScratch;
 
 // Validates inputs 0..4, allocates the outputs and runs the op. swiglu: GroupedMatmulSwigluQuant
 // (outputs y int8 [M, N/2], y_scale, y_offset), else GroupedMatmulDequant (y float32 [M, N]).
+// layout: GroupedMatmulSwigluQuant's weight_layout; "ENK" runs the Hopper wgmma kernel
+// (GmsqParams::weight_layout 2), which needs compute capability 9.x.
 inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
-                           bool swiglu) {
+                           bool swiglu,
+                           gmsq_layout::WeightLayout layout = gmsq_layout::WeightLayout::kEKN) {
   constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-  const grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
+  grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
+  gmsq_layout::to_logical_weight(op, in, layout, swiglu);
   const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
                   &gl = in.group_list;
   const grouped_matmul::Dims d = grouped_matmul::validate_inputs(op, in, swiglu, {});
@@ -45,6 +51,9 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   if (e > kGmsqMaxExperts)
     fail_unsupported(op, "at most ", kGmsqMaxExperts, " experts on the CUDA EP, got ", e);
   if (m >= (int64_t{1} << 31)) fail_unsupported(op, "M must be < 2^31 on the CUDA EP, got ", m);
+  const bool enk = layout == gmsq_layout::WeightLayout::kENK;
+  if (enk && e * n >= (int64_t{1} << 31))  // the wgmma kernel's weight tensor map
+    fail_unsupported(op, "weight_layout 'ENK' needs E * N < 2^31 on the CUDA EP, got ", e * n);
 
   GmsqParams p{};
   if (swiglu) {
@@ -84,7 +93,14 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   p.e = e;
   p.group_list_type = static_cast<int>(group_list_type);
   p.config = kGmsqAuto;
-  check_cuda(op, swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream), "kernel launch");
+  p.weight_layout = enk ? kGmsqLayoutKMajor : 0;
+  const cudaError_t launched = swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream);
+  if (enk && launched == cudaErrorNotSupported) {
+    (void)cudaGetLastError();  // clear it: nothing was enqueued
+    fail_unsupported(op, "weight_layout 'ENK' needs compute capability 9.x on CUDA (the Hopper "
+                         "wgmma kernel); repack the weights as 'EKN'");
+  }
+  check_cuda(op, launched, "kernel launch");
 
   int err = 0;
   check_cuda(op, cudaMemcpyAsync(&err, gmsq_error_word(scratch.get()), sizeof(int),
