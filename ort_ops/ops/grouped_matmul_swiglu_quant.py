@@ -73,8 +73,9 @@ def weight_ekn(x, weight, weight_layout: str = "EKN"):
     """``weight`` in the contract's [E, K, N] order: checks the attribute and, for "ENK", that the
     weight is [E, N, K] with K of ``x``, then transposes it (a view). Messages as the kernels'."""
     if weight_layout not in WEIGHT_LAYOUTS:
+        got = f"'{weight_layout}'" if isinstance(weight_layout, str) and weight_layout else "a non-string value"
         raise ValueError(f"{OP}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]) or 'ENK' "
-                         f"(weight [E, N, K]), got '{weight_layout}'")
+                         f"(weight [E, N, K]), got {got}")
     if weight_layout == "EKN":
         return weight
     x = check_int8(OP, "x", x, 2)

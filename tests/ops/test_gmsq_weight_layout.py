@@ -80,6 +80,8 @@ ERRORS = [
      r"attribute 'weight_layout' must be 'EKN' \(weight \[E, K, N\]\) or 'ENK' \(weight \[E, N, K\]\), got 'KNE'"),
     ("lowercase-layout", {}, {"weight_layout": "enk"},
      r"attribute 'weight_layout' must be 'EKN' \(weight \[E, K, N\]\) or 'ENK' \(weight \[E, N, K\]\), got 'enk'"),
+    ("int-layout", {}, {"weight_layout": 2},
+     r"attribute 'weight_layout' must be 'EKN' \(weight \[E, K, N\]\) or 'ENK' \(weight \[E, N, K\]\), got a non-string value"),
     ("ekn-weight-as-enk", {"weight": np.zeros((3, 10, 8), np.int8)}, {"weight_layout": "ENK"},
      r"input 'weight' must be \[E, N, K\] = \[E, N, 10\] for weight_layout 'ENK' \(K of 'x'\), got \[3, 10, 8\]"),
     ("enk-odd-n", {"weight": np.zeros((3, 7, 10), np.int8), "weight_scale": np.ones((3, 7), np.float32)},

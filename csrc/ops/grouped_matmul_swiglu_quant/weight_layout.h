@@ -17,11 +17,16 @@ namespace ort_ops::gmsq_layout {
 
 enum class WeightLayout { kEKN, kENK };
 
-// Reads the attribute at kernel creation; an unknown value fails naming the allowed ones.
+// Reads the attribute at kernel creation; an unknown value, or one that is not a string (an int
+// 2 would otherwise read as absent: a silent "EKN" on a square [E, N, K] weight), fails naming
+// the allowed ones.
 inline WeightLayout read_weight_layout(const char* op, const OrtKernelInfo* info) {
-  const std::string s = attr_string(info, "weight_layout", "EKN");
-  if (s == "EKN") return WeightLayout::kEKN;
+  const std::string s = attr_string(info, "weight_layout", "");
+  if (s == "EKN" || (s.empty() && !has_attr(info, "weight_layout"))) return WeightLayout::kEKN;
   if (s == "ENK") return WeightLayout::kENK;
+  if (s.empty())
+    fail_invalid(op, "attribute 'weight_layout' must be 'EKN' (weight [E, K, N]) or 'ENK' (weight [E, N, K]), "
+                     "got a non-string value");
   fail_invalid(op, "attribute 'weight_layout' must be 'EKN' (weight [E, K, N]) or 'ENK' (weight [E, N, K]), got '",
                s, "'");
 }
