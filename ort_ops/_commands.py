@@ -169,8 +169,7 @@ def register(sub) -> None:
     rw.add_argument("--moe-weight-layout", choices=("EKN", "ENK"), default="EKN",
                     help="how the MoE gate/up weights are stored: EKN [E, H, 2I] (default; fastest on "
                          "CPU and pre-Hopper GPUs) or ENK [E, 2I, H], transposed offline for the Hopper "
-                         "wgmma kernel (H100/H200, prefill-heavy serving; needs compute capability 9.x "
-                         "on CUDA)")
+                         "wgmma kernel (H100/H200, prefill-heavy serving)")
     rw.add_argument("--json", action="store_true", help="machine-readable report")
     rw.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     rw.set_defaults(func=_cmd_rewrite)

@@ -20,7 +20,8 @@ contract's layout; "ENK": weight [E, N, K], each expert's matrix transposed, K-m
 changes where W_e[k, n] is stored, never the result. It is a speed choice per device: the CPU
 kernels read "EKN" ("ENK" costs them a transpose of each used expert per Run); on the CUDA EP
 "ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
-4096 tokens, benchmarks/NOTES_moe_cuda.md) and needs compute capability 9.x.
+4096 tokens, benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
+K-major path.
 
 Exact float32 recipe (the spec every kernel matches bit for bit; see ``ort_ops.ops._moe``):
 

@@ -51,7 +51,7 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
             "EKN" ([E, H, 2I], the default; the fast layout on CPU and pre-Hopper GPUs) or "ENK"
             ([E, 2I, H], transposed offline; the Hopper wgmma kernel's, for prefill-heavy serving
-            on H100/H200; needs compute capability 9.x on the CUDA EP).
+            on H100/H200; other GPUs run it on the mma.sync kernel's K-major path).
 
     Returns:
         (onnx_ir.Model, list of pipeline.FusionResult).

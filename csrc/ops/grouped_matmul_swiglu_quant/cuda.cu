@@ -672,10 +672,17 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
 
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
   // weight_layout 2 ([E, N, K], K-major): the Hopper wgmma kernel (cuda_wgmma.cu) for bm128
-  // (auto: more than 96 rows an expert on average), else this kernel's K-major B path.
+  // (auto: more than 96 rows an expert on average), else this kernel's K-major B path. Off
+  // Hopper the wgmma kernel refuses before enqueuing anything, and bm64 (this kernel's largest
+  // K-major tile) serves every M instead, so an 'ENK' model runs on any sm_80+ GPU.
   if (p.weight_layout == kGmsqLayoutKMajor &&
-      (p.config == kGmsqBm128 || (p.config == kGmsqAuto && auto_config(p.m, p.e) == kGmsqBm128)))
-    return launch_gmsq_wgmma(p, stream);
+      (p.config == kGmsqBm128 || (p.config == kGmsqAuto && auto_config(p.m, p.e) == kGmsqBm128))) {
+    const cudaError_t err = launch_gmsq_wgmma(p, stream);
+    if (err != cudaErrorNotSupported) return err;
+    GmsqParams q = p;
+    q.config = kGmsqBm64;
+    return launch_mode<kSwiglu>(q, stream);
+  }
   return launch_mode<kSwiglu>(p, stream);
 }
 

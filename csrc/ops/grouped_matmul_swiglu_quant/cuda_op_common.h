@@ -30,8 +30,8 @@ using cuda_util::OrtCudaScratch;
 
 // Validates inputs 0..4, allocates the outputs and runs the op. swiglu: GroupedMatmulSwigluQuant
 // (outputs y int8 [M, N/2], y_scale, y_offset), else GroupedMatmulDequant (y float32 [M, N]).
-// layout: GroupedMatmulSwigluQuant's weight_layout; "ENK" runs the Hopper wgmma kernel
-// (GmsqParams::weight_layout 2), which needs compute capability 9.x.
+// layout: GroupedMatmulSwigluQuant's weight_layout; "ENK" is GmsqParams::weight_layout 2 (the
+// Hopper wgmma kernel for many rows an expert on sm_90, else the mma.sync kernel's K-major path).
 inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
                            bool swiglu,
                            gmsq_layout::WeightLayout layout = gmsq_layout::WeightLayout::kEKN) {
@@ -95,11 +95,6 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   p.config = kGmsqAuto;
   p.weight_layout = enk ? kGmsqLayoutKMajor : 0;
   const cudaError_t launched = swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream);
-  if (enk && launched == cudaErrorNotSupported) {
-    (void)cudaGetLastError();  // clear it: nothing was enqueued
-    fail_unsupported(op, "weight_layout 'ENK' needs compute capability 9.x on CUDA (the Hopper "
-                         "wgmma kernel); repack the weights as 'EKN'");
-  }
   check_cuda(op, launched, "kernel launch");
 
   int err = 0;
