@@ -7,7 +7,9 @@ Alphabet: M rows, K reduction dim, N = 2 * I output columns before SwiGLU, E exp
 Inputs:
     x            int8 [M, K]      rows sorted by expert (MoeInitRouting + DynamicQuant)
     weight       int8 [E, K, N]   columns [0, N/2) feed Swish (A), [N/2, N) the gate (G);
-                 [E, N, K] with weight_layout "ENK" (weight[e, n, k] = W_e[k, n])
+                 [E, N, K] with weight_layout "ENK" (weight[e, n, k] = W_e[k, n]);
+                 [E, ceil(N/16), K/4, 16, 4] with weight_layout "EN16K4"
+                 (weight[e, n // 16, k // 4, n % 16, k % 4] = W_e[k, n], zeros for n >= N)
     weight_scale float32/float16 [E, N]   per output channel
     x_scale      float32/float16 [M]      per row
     group_list   int64 [E]        type 0: cumulative end rows; type 1: per-expert counts
@@ -16,10 +18,14 @@ Outputs:
     y_scale  float32 [M]
     y_offset float32 [M]      zeros (symmetric quantization)
 Attributes: group_list_type (0 default, 1); weight_layout ("EKN" default: weight [E, K, N], the
-contract's layout; "ENK": weight [E, N, K], each expert's matrix transposed, K-major). The layout
-changes where W_e[k, n] is stored, never the result. It is a speed choice per device: the CPU
-kernels read "EKN" ("ENK" costs them a transpose of each used expert per Run); on the CUDA EP
-"ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
+contract's layout; "ENK": weight [E, N, K], each expert's matrix transposed, K-major; "EN16K4":
+weight [E, ceil(N/16), K/4, 16, 4], K a multiple of 4: per tile of 16 columns, the columns' 4
+consecutive k values together, all of K in order, so every 1 KB run is one AMX B tile (16 k quads
+of 16 columns); CPU only, ``pack_en16k4``). The layout changes where W_e[k, n] is stored, never the
+result. It is a speed choice per device: the CPU kernels read "EKN", and with AMX "EN16K4" without
+packing it per Run (benchmarks/RESULTS_cpu.md; without AMX each used expert is unpacked to [K, N]
+per Run); "ENK" costs them a transpose of each used expert per Run; "EN16K4" fails on the CUDA EP;
+on the CUDA EP "ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
 4096 tokens, benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
 K-major path.
 
@@ -62,24 +68,55 @@ SCHEMA = OpSchema(
         Arg("y_offset", ("float32",), doc="[M] zeros (symmetric)"),
     ),
     attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),
-           Attr("weight_layout", "string", "EKN", doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (K-major)')),
+           Attr("weight_layout", "string", "EKN", doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (K-major); '
+                '"EN16K4": [E, ceil(N/16), K/4, 16, 4] (AMX B tiles; CPU only)')),
     doc=__doc__,
 )
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK")
+WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
 
 
-def weight_ekn(x, weight, weight_layout: str = "EKN"):
+def pack_en16k4(weight_ekn_: np.ndarray) -> np.ndarray:
+    """[E, K, N] -> "EN16K4" [E, ceil(N/16), K/4, 16, 4]: out[e, n // 16, k // 4, n % 16, k % 4] =
+    W_e[k, n], zeros for n >= N (K % 4 == 0)."""
+    w = np.asarray(weight_ekn_)
+    e, k, n = w.shape
+    if k % 4:
+        raise ValueError(f"{OP}: weight_layout 'EN16K4' needs K (dim 1 of 'x') to be a multiple of 4, got {k}")
+    nt = (n + 15) // 16
+    p = np.zeros((e, k, nt * 16), w.dtype)
+    p[:, :, :n] = w
+    return np.ascontiguousarray(p.reshape(e, k // 4, 4, nt, 16).transpose(0, 3, 1, 4, 2))
+
+
+def weight_ekn(x, weight, weight_layout: str = "EKN", weight_scale=None):
     """``weight`` in the contract's [E, K, N] order: checks the attribute and, for "ENK", that the
-    weight is [E, N, K] with K of ``x``, then transposes it (a view). Messages as the kernels'."""
+    weight is [E, N, K] with K of ``x``, then transposes it (a view); for "EN16K4", that it is
+    [E, ceil(N/16), K/4, 16, 4] (N of ``weight_scale`` [E, N]), then unpacks it. Messages as the
+    kernels'."""
     if weight_layout not in WEIGHT_LAYOUTS:
         got = f"'{weight_layout}'" if isinstance(weight_layout, str) and weight_layout else "a non-string value"
-        raise ValueError(f"{OP}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]) or 'ENK' "
-                         f"(weight [E, N, K]), got {got}")
+        raise ValueError(f"{OP}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]), 'ENK' "
+                         f"(weight [E, N, K]) or 'EN16K4' (weight [E, N/16, K/4, 16, 4]), got {got}")
     if weight_layout == "EKN":
         return weight
     x = check_int8(OP, "x", x, 2)
+    if weight_layout == "EN16K4":
+        weight = np.asarray(weight)
+        if weight.dtype != np.int8:
+            raise ValueError(f"{OP}: input 'weight' must be int8, got {weight.dtype}")
+        k = x.shape[1]
+        if k % 4:
+            raise ValueError(f"{OP}: weight_layout 'EN16K4' needs K (dim 1 of 'x') to be a multiple of 4, got {k}")
+        ws = None if weight_scale is None else np.asarray(weight_scale)
+        n = ws.shape[1] if ws is not None and ws.ndim == 2 else (weight.shape[1] * 16 if weight.ndim == 5 else 0)
+        nt = (n + 15) // 16
+        if weight.ndim != 5 or weight.shape[1:] != (nt, k // 4, 16, 4):
+            raise ValueError(f"{OP}: input 'weight' must be [E, ceil(N/16), K/4, 16, 4] = [E, {nt}, {k // 4}, 16, 4] "
+                             f"for weight_layout 'EN16K4' (K of 'x', N of 'weight_scale'), got {list(weight.shape)}")
+        e = weight.shape[0]
+        return weight.transpose(0, 2, 4, 1, 3).reshape(e, k, nt * 16)[:, :, :n]
     weight = check_int8(OP, "weight", weight, 3)
     k = x.shape[1]
     if weight.shape[2] != k:
@@ -94,7 +131,7 @@ def weight_ekn(x, weight, weight_layout: str = "EKN"):
 def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
                 weight_layout: str = "EKN"):
     """The float32 SwiGLU output S [M, N/2] before quantization and the valid-row mask [M]."""
-    weight = weight_ekn(x, weight, weight_layout)
+    weight = weight_ekn(x, weight, weight_layout, weight_scale)
     n = np.asarray(weight).shape[-1] if np.asarray(weight).ndim == 3 else 0
     if n % 2:
         raise ValueError(f"{OP}: input 'weight' must have an even N (last dim), got {n}")

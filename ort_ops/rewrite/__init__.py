@@ -51,7 +51,9 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
             "EKN" ([E, H, 2I], the default; the fast layout on CPU and pre-Hopper GPUs) or "ENK"
             ([E, 2I, H], transposed offline; the Hopper wgmma kernel's, for prefill-heavy serving
-            on H100/H200; other GPUs run it on the mma.sync kernel's K-major path).
+            on H100/H200; other GPUs run it on the mma.sync kernel's K-major path) or "EN16K4"
+            ([E, ceil(2I/16), H/4, 16, 4], AMX B tiles packed offline: the CPU's AMX panels read it without a
+            per-Run pack; CPU only, H a multiple of 4).
 
     Returns:
         (onnx_ir.Model, list of pipeline.FusionResult).

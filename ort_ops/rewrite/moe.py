@@ -15,7 +15,9 @@ the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, 
 [E, H]. With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
 gate_up is stored transposed, int8 [E, 2I, H], and GroupedMatmulSwigluQuant says so with its
 attribute ``weight_layout="ENK"``: the Hopper wgmma kernel's operand, packed here offline (same
-outputs; on CPU "EKN" is the faster layout). The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
+outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stores it as AMX B
+tiles, int8 [E, ceil(2I/16), H/4, 16, 4] (``pack_en16k4``), the CPU's AMX layout (CPU only).
+The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
 with the graph's own routing.
 
 Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py``): torch.onnx dynamo
@@ -755,7 +757,7 @@ def _initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
     return v
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK")
+WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
 
 
 def check_weight_layout(weight_layout: str) -> None:
@@ -766,10 +768,14 @@ def check_weight_layout(weight_layout: str) -> None:
 
 def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
     """GroupedMatmulSwigluQuant's weight as stored for ``weight_layout`` and the node attributes:
-    "EKN" [E, H, 2I] as quantized (no attribute: the op's default), "ENK" transposed [E, 2I, H]."""
+    "EKN" [E, H, 2I] as quantized (no attribute: the op's default), "ENK" transposed [E, 2I, H],
+    "EN16K4" packed as AMX B tiles [E, ceil(2I/16), H/4, 16, 4] (H a multiple of 4)."""
     check_weight_layout(weight_layout)
     if weight_layout == "EKN":
         return gu_q, {}
+    if weight_layout == "EN16K4":
+        from ort_ops.ops.grouped_matmul_swiglu_quant import pack_en16k4
+        return pack_en16k4(gu_q), {"weight_layout": weight_layout}
     return np.ascontiguousarray(gu_q.transpose(0, 2, 1)), {"weight_layout": weight_layout}
 
 

@@ -2,7 +2,8 @@
 """The MoE rewrite's weight_layout option (``ort-ops rewrite --moe-weight-layout ENK``): the
 gate/up weight of every GroupedMatmulSwigluQuant it emits (routed blocks, the com.microsoft MoE
 form and the shared expert) is stored [E, 2I, H] with the node attribute weight_layout="ENK",
-and the model's outputs on CPU are bit-identical to the default ("EKN") rewrite's."""
+and the model's outputs on CPU are bit-identical to the default ("EKN") rewrite's. Likewise
+``--moe-weight-layout EN16K4``: [E, ceil(2I/16), H/4, 16, 4] (AMX B tiles, ``pack_en16k4``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from onnx import numpy_helper
 from ort_ops.cli import main
 from ort_ops.rewrite.moe import fuse_moe
 from ort_ops.rewrite.pipeline import RewriteOptions
+from tests.ops.conftest import gemm_isa  # noqa: F401 - the kernel variants (AMX on and off, AVX2, scalar)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "moe"
 # One fixture per emission path: stacked experts, com.microsoft MoE, stacked + shared expert.
@@ -66,15 +68,35 @@ def test_enk_rewrite_matches_ekn_bit_for_bit(name, rng):
         np.testing.assert_array_equal(lb, la)
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_en16k4_rewrite_matches_ekn_bit_for_bit(name, rng, gemm_isa):
+    from ort_ops.ops.grouped_matmul_swiglu_quant import pack_en16k4
+
+    ekn, packed = _rewrite(name, "EKN"), _rewrite(name, "EN16K4")
+    wa, wb = _swiglu_weights(ekn), _swiglu_weights(packed)
+    assert len(wa) == len(wb) == (2 if "shared" in name else 1)
+    for (la, a), (lb, b) in zip(wa, wb):
+        assert la is None and lb == "EN16K4"
+        e, h, n = a.shape
+        assert b.shape == (e, (n + 15) // 16, h // 4, 16, 4)
+        np.testing.assert_array_equal(b, pack_en16k4(a))
+    vocab = 64
+    for length in (1, 5, 37):
+        ids = rng.integers(3, vocab, length)
+        la, lb = _logits(ekn, ids), _logits(packed, ids)
+        assert np.isfinite(la).all()
+        np.testing.assert_array_equal(lb, la)
+
+
 def test_bad_layout_refused_before_any_change():
     model = ir.load(str(FIXTURES / "mixtral_dynamo_batched.onnx"))
     before = len(list(model.graph))
-    with pytest.raises(ValueError, match=r"moe_weight_layout must be one of EKN, ENK, got 'NKE'"):
+    with pytest.raises(ValueError, match=r"moe_weight_layout must be one of EKN, ENK, EN16K4, got 'NKE'"):
         fuse_moe(model, RewriteOptions(moe_weight_layout="NKE"))
     assert len(list(model.graph)) == before
     from ort_ops.rewrite import rewrite_model
 
-    with pytest.raises(ValueError, match=r"moe_weight_layout must be one of EKN, ENK, got 'ekn'"):
+    with pytest.raises(ValueError, match=r"moe_weight_layout must be one of EKN, ENK, EN16K4, got 'ekn'"):
         rewrite_model(str(FIXTURES / "mixtral_dynamo_batched.onnx"), moe_weight_layout="ekn")
 
 
@@ -94,4 +116,4 @@ def test_cli_moe_weight_layout_flag(tmp_path, capsys):
     assert "invalid choice: 'KNE'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["rewrite", "--help"])
-    assert "--moe-weight-layout {EKN,ENK}" in capsys.readouterr().out
+    assert "--moe-weight-layout {EKN,ENK,EN16K4}" in capsys.readouterr().out

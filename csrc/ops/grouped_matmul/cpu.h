@@ -38,7 +38,8 @@ struct TileArgs {
   const uint8_t* xprep;   // the same rows prepared by prep_rows (nullptr for the scalar path)
   int64_t xprep_stride;   // bytes between prepared rows
   int64_t rows, k, n;     // n: columns of W (ldw)
-  const int8_t* w;        // W_e [k, n]
+  const int8_t* w;        // W_e [k, n], or [ceil(n/16), k/4, 16, 4] when quads (panels only)
+  bool quads = false;     // "EN16K4": w[((col / 16 * k / 4 + k / 4) * 16 + col % 16) * 4 + k % 4]
   const float* x_scale;   // [rows]
   const float* w_scale;   // [n] of this expert
   int64_t col0;           // dequant: first column; SwiGLU: first column of A (G at n/2 + col0)

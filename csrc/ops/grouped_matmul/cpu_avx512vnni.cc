@@ -103,6 +103,30 @@ ORT_OPS_AMX inline void amx_block(const uint8_t* xp, int64_t xstride, const uint
   }
 }
 
+// Panels: A rows [0, 16) at xp (and [16, 32) when `two`) times the B tiles in 6 and 7, signed
+// by signed, into the sums in tiles 0-3.
+ORT_OPS_AMX inline void panel_mac(const int8_t* xp, int64_t xstride, bool two) {
+  _tile_loadd(4, xp, xstride);
+  _tile_dpbssd(0, 4, 6);
+  _tile_dpbssd(1, 4, 7);
+  if (two) {
+    _tile_loadd(5, xp + 16 * xstride, xstride);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+}
+
+// Panels: tiles 0-3 to the sums at c ([32 rows][cols] int32, ldb bytes a row); rows 16-31 only
+// when `two`.
+ORT_OPS_AMX inline void panel_store(int32_t* c, int64_t cols, int64_t ldb, bool two) {
+  _tile_stored(0, c, ldb);
+  _tile_stored(1, c + 16, ldb);
+  if (two) {
+    _tile_stored(2, c + 16 * cols, ldb);
+    _tile_stored(3, c + 16 * cols + 16, ldb);
+  }
+}
+
 }  // namespace
 
 ORT_OPS_AMX bool tile_amx(const TileArgs& a, int64_t* bad_row) {
@@ -200,7 +224,58 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
   }
   _tile_loadconfig(&cfg);
   alignas(64) int8_t tmp[4][G];
-  for (int64_t k0 = 0; k0 < kdim; k0 += kPanelK) {
+  // "EN16K4" weights (a.quads) are B tiles already: per 16-column tile ct the k quads of all K,
+  // w[((ct * k4 + step) * 16 + col % 16) * 4 + k % 4], so one 1 KB B tile is 16 consecutive
+  // steps, contiguous, and a 32-column chunk is two sequential streams over all of K. The
+  // chunk's sums stay in tile registers for all of K (no slabs). Chunks whose columns do not
+  // start a column tile (the G half when N/2 % 16 != 0) or run past the part, and the last k
+  // tile when K % 64 != 0, are gathered into `edge` with zeros past the width and past K.
+  if (a.quads) {
+    const int64_t k4 = kdim / 4, ktiles_all = (kdim + 63) / 64, ntiles = (n + 15) / 16;
+    alignas(64) uint8_t edge[16][32 * 4];
+    auto quad = [&](int64_t step, int64_t col) {
+      return w + (((col / 16) * k4 + step) * 16 + col % 16) * 4;
+    };
+    auto gather = [&](int64_t t, int64_t c0, int64_t live) {
+      for (int64_t s = 0; s < 16; ++s)
+        for (int64_t c = 0; c < 32; ++c) {
+          const int64_t step = t * 16 + s;
+          if (step < k4 && c < live)
+            std::memcpy(edge[s] + c * 4, quad(step, c0 + c), 4);
+          else
+            std::memset(edge[s] + c * 4, 0, 4);
+        }
+    };
+    for (int64_t rb = 0; rb < a.rows; rb += 32) {
+      const bool two = a.rows - rb > 16;
+      const int8_t* xp = xs + rb * xstride;
+      for (int64_t ch = 0; ch < cols; ch += 32) {
+        const int64_t sg = ch / wpad, q = ch % wpad;
+        if (q >= width) continue;  // padding columns: never stored, wsp 0
+        const int64_t c0 = seg_col[sg] + q, live = std::min<int64_t>(32, width - q);
+        const bool direct = c0 % 16 == 0 && live == 32 && c0 / 16 + 1 < ntiles;
+        const uint8_t* b0 = reinterpret_cast<const uint8_t*>(quad(0, c0));
+        const uint8_t* b1 = b0 + k4 * 64;  // the next column tile
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t = 0; t < ktiles_all; ++t) {
+          if (direct && (t + 1) * 16 <= k4) {
+            _tile_loadd(6, b0 + t * 1024, 64);
+            _tile_loadd(7, b1 + t * 1024, 64);
+          } else {
+            gather(t, c0, live);
+            _tile_loadd(6, edge[0], sizeof edge[0]);
+            _tile_loadd(7, edge[0] + 64, sizeof edge[0]);
+          }
+          panel_mac(xp + t * 64, xstride, two);
+        }
+        panel_store(acc + rb * cols + ch, cols, ldb, two);
+      }
+    }
+  }
+  for (int64_t k0 = 0; k0 < (a.quads ? 0 : kdim); k0 += kPanelK) {
     const int64_t ktiles = (std::min(kPanelK, kdim - k0) + 63) / 64;
     for (int64_t s = 0; s < ktiles * 16; ++s) {  // steps past k are zeros
       const int64_t k = k0 + s * 4;
@@ -248,23 +323,11 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
         }
         const uint8_t* bp = slab + ch * 4;
         for (int64_t t = 0; t < ktiles; ++t) {
-          _tile_loadd(4, xp + t * 64, xstride);
           _tile_loadd(6, bp + t * 16 * ldb, ldb);
           _tile_loadd(7, bp + t * 16 * ldb + 64, ldb);
-          _tile_dpbssd(0, 4, 6);
-          _tile_dpbssd(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, xp + 16 * xstride + t * 64, xstride);
-            _tile_dpbssd(2, 5, 6);
-            _tile_dpbssd(3, 5, 7);
-          }
+          panel_mac(xp + t * 64, xstride, two);
         }
-        _tile_stored(0, c, ldb);
-        _tile_stored(1, c + 16, ldb);
-        if (two) {
-          _tile_stored(2, c + 16 * cols, ldb);
-          _tile_stored(3, c + 16 * cols + 16, ldb);
-        }
+        panel_store(c, cols, ldb, two);
       }
     }
   }
@@ -272,7 +335,7 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
 
   // Epilogue: the tile path's operations (store_c, then finish_row) over the part's columns.
   for (int64_t p = 0; p < cols; ++p) {
-    const int64_t q = p % wpad, j = (q / G) * G + T::perm(q % G);
+    const int64_t q = p % wpad, j = a.quads ? q : (q / G) * G + T::perm(q % G);
     colmap[p] = static_cast<int32_t>((p / wpad) * wpad + j);
     wsp[p] = j < width ? a.w_scale[seg_col[p / wpad] + j] : 0.0f;
   }

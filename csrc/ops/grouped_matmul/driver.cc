@@ -160,10 +160,14 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   const int64_t kblocks = (p.k + kGemvBlockK - 1) / kGemvBlockK;
   size_t partial_ints = 0;
   std::vector<int64_t> chunk_tasks;
-  auto is_gemv = [&](int64_t rows) { return use_gemv && rows > 0 && rows <= kern.gemv_rows; };
+  // "EN16K4" weights: every expert runs as panels (no packing to do), chunks of panel_rows rows.
+  auto is_gemv = [&](int64_t rows) { return use_gemv && !p.w_quads && rows > 0 && rows <= kern.gemv_rows; };
   auto is_panel = [&](int64_t rows) {
-    return kern.panel != nullptr && p.k > 0 && !is_gemv(rows) && rows > 0 && rows <= kern.panel_rows;
+    return kern.panel != nullptr && p.k > 0 && !is_gemv(rows) && rows > 0 &&
+           (p.w_quads || rows <= kern.panel_rows);
   };
+  if (p.w_quads && (kern.panel == nullptr || p.k % 4 != 0))
+    fail_unsupported(op, "weight_layout 'EN16K4' needs the AMX panel kernel here (unpack it first)");
   // Panels split their columns into parts so that a few of them still spread over the pool.
   int64_t panel_experts = 0;
   for (int64_t e = 0, start = 0; e < p.e; start = p.ends[static_cast<size_t>(e)], ++e)
@@ -182,13 +186,16 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       chunk_tasks.push_back(kblocks);
       partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));
     } else if (is_panel(end - start)) {
-      int64_t tasks = 0;
-      for (int64_t c0 = 0; c0 < cols; c0 += part_w, ++tasks) {
-        tiles.push_back({e, start, end, c0, std::min(part_w, cols - c0), true});
-        tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
+      for (int64_t r0 = start; r0 < end; r0 += kern.panel_rows) {
+        const int64_t r1 = std::min(end, r0 + kern.panel_rows);
+        int64_t tasks = 0;
+        for (int64_t c0 = 0; c0 < cols; c0 += part_w, ++tasks) {
+          tiles.push_back({e, r0, r1, c0, std::min(part_w, cols - c0), true});
+          tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
+        }
+        chunks.push_back({-1, r0, r1});
+        chunk_tasks.push_back(tasks);
       }
-      chunks.push_back({-1, start, end});
-      chunk_tasks.push_back(tasks);
     } else {
       for (int64_t r0 = start; r0 < end; r0 += kRowChunk) {  // empty experts add no task
         const int64_t r1 = std::min(end, r0 + kRowChunk);
@@ -273,7 +280,8 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       a.rows = t.r1 - t.r0;
       a.k = p.k;
       a.n = p.n;
-      a.w = p.w + t.e * p.k * p.n;
+      a.w = p.w + t.e * (p.w_quads ? (p.n + 15) / 16 * 16 * p.k : p.k * p.n);
+      a.quads = p.w_quads;
       a.x_scale = p.x_scale + t.r0;
       a.w_scale = p.w_scale + t.e * p.n;
       a.col0 = t.col0;

@@ -18,6 +18,8 @@ struct Problem {
   int64_t m = 0, k = 0, n = 0, e = 0;
   const int8_t* x = nullptr;
   const int8_t* w = nullptr;
+  bool w_quads = false;  // w is [E, ceil(N/16), K/4, 16, 4] ("EN16K4"): needs kern.panel; every expert
+                         // runs as panels
   std::vector<float> w_scale_f32, x_scale_f32;  // filled only for float16 scales
   const float* w_scale = nullptr;               // [E, N]
   const float* x_scale = nullptr;               // [M]

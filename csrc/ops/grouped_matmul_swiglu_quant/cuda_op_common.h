@@ -36,6 +36,8 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
                            bool swiglu,
                            gmsq_layout::WeightLayout layout = gmsq_layout::WeightLayout::kEKN) {
   constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  if (layout == gmsq_layout::WeightLayout::kEN16K4)
+    fail_unsupported(op, "weight_layout 'EN16K4' is a CPU layout; use 'EKN' or 'ENK' on CUDA");
   grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
   gmsq_layout::to_logical_weight(op, in, layout, swiglu);
   const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,

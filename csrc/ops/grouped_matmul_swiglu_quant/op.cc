@@ -3,7 +3,7 @@
 // ort_ops/ops/grouped_matmul_swiglu_quant.py). Inputs x int8 [M, K], weight int8 [E, K, N],
 // weight_scale [E, N], x_scale [M] (float32/float16), group_list int64 [E]; outputs y int8
 // [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros). Attributes group_list_type and
-// weight_layout ("EKN": weight [E, K, N]; "ENK": [E, N, K], weight_layout.h).
+// weight_layout ("EKN": weight [E, K, N]; "ENK": [E, N, K]; "EN16K4": [E, N/16, K/4, 16, 4], weight_layout.h).
 //
 // Two phases: (1) grouped GEMM tasks write S = SwiGLU(C) as float32 [rows_used, N/2];
 // (2) each finished row is quantized by the contract's rule (the DynamicQuant row kernel). A
@@ -15,6 +15,8 @@
 // weights per Run, so "EKN" is the CPU's fast layout ("ENK" is the Hopper wgmma kernel's):
 // 8 experts x K 2048 x N 2816, 2 threads, medians of 9, one session: 32 rows EKN 2.3-2.5 ms,
 // ENK 24-41 ms; 512 rows 6.3-7.1 vs 28-29 ms (a shared 2-core VM).
+// "EN16K4" weights: with AMX the panels read them as they are (every expert, any row count, in
+// chunks of kAmxPanelRows rows); other ISAs unpack each used expert into the scratch first.
 #include "ops/grouped_matmul_swiglu_quant/op.h"
 
 #include <algorithm>
@@ -112,13 +114,25 @@ void transpose_nk(const int8_t* src, int8_t* dst, int64_t n, int64_t k) {
     }
 }
 
-// The Problem of an "ENK" weight, with p.w pointing at `scratch` (the used experts transposed to
-// [K, N]). The checks and messages are read_problem's; only the weight's shape is read in ENK order.
-grouped_matmul::Problem read_problem_enk(Ort::KernelContext& ctx, int64_t group_list_type,
-                                         WeightScratch& scratch) {
+// One expert's [ceil(N/16), K/4, 16, 4] -> [K, N] ("EN16K4" on a path without the AMX panels).
+void unpack_en16k4(const int8_t* src, int8_t* dst, int64_t n, int64_t k) {
+  const int64_t k4 = k / 4;
+  for (int64_t s = 0; s < k4; ++s)
+    for (int64_t c = 0; c < n; ++c) {
+      const int8_t* q = src + (((c / 16) * k4 + s) * 16 + c % 16) * 4;
+      for (int64_t j = 0; j < 4; ++j) dst[(s * 4 + j) * n + c] = q[j];
+    }
+}
+
+// The Problem of an "ENK" or "EN16K4" weight, with p.w pointing at `scratch` (the used experts
+// transposed or unpacked to [K, N]), or for "EN16K4" with `quads_direct` (the AMX panels read it)
+// at the weight itself (p.w_quads). The checks and messages are read_problem's; only the weight's
+// shape is read in the layout's order.
+grouped_matmul::Problem read_problem_layout(Ort::KernelContext& ctx, WeightLayout layout, int64_t group_list_type,
+                                            bool quads_direct, WeightScratch& scratch) {
   using grouped_matmul::Problem;
   grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
-  gmsq_layout::to_logical_weight(kOp, in, WeightLayout::kENK, true);
+  gmsq_layout::to_logical_weight(kOp, in, layout, true);
   grouped_matmul::DeviceChecks cpu;
   cpu.after_weight = [](const char* op, const grouped_matmul::Dims& d) {
     if (d.k > grouped_matmul::kMaxK)
@@ -158,6 +172,11 @@ grouped_matmul::Problem read_problem_enk(Ort::KernelContext& ctx, int64_t group_
   p.w_scale = scales(in.weight_scale, p.w_scale_f32);
   p.x_scale = scales(in.x_scale, p.x_scale_f32);
 
+  if (layout == WeightLayout::kEN16K4 && quads_direct) {
+    p.w = in.weight.ptr<int8_t>();
+    p.w_quads = true;
+    return p;
+  }
   std::vector<int64_t> used;  // experts with rows
   for (int64_t i = 0, start = 0; i < d.e; start = std::max(start, p.ends[static_cast<size_t>(i)]), ++i)
     if (p.ends[static_cast<size_t>(i)] > start) used.push_back(i);
@@ -166,7 +185,13 @@ grouped_matmul::Problem read_problem_enk(Ort::KernelContext& ctx, int64_t group_
   scratch = alloc_scratch(static_cast<size_t>(d.e * kn));
   const int8_t* w = in.weight.ptr<int8_t>();
   int8_t* t = scratch.get();
-  parallel_for(ctx, used.size(), [&](size_t u) { transpose_nk(w + used[u] * kn, t + used[u] * kn, d.n, d.k); });
+  const int64_t src_stride = layout == WeightLayout::kEN16K4 ? (d.n + 15) / 16 * 16 * d.k : kn;
+  parallel_for(ctx, used.size(), [&](size_t u) {
+    if (layout == WeightLayout::kEN16K4)
+      unpack_en16k4(w + used[u] * src_stride, t + used[u] * kn, d.n, d.k);
+    else
+      transpose_nk(w + used[u] * kn, t + used[u] * kn, d.n, d.k);
+  });
   p.w = t;
   return p;
 }
@@ -186,10 +211,11 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    WeightScratch weight_ekn;  // "ENK" only: the used experts transposed
+    WeightScratch weight_ekn;  // "ENK" / "EN16K4" without panels: the used experts in [K, N]
     const grouped_matmul::Problem p =
-        layout_ == WeightLayout::kENK ? read_problem_enk(ctx, group_list_type_, weight_ekn)
-                                      : grouped_matmul::read_problem(kOp, ctx, group_list_type_, true);
+        layout_ != WeightLayout::kEKN
+            ? read_problem_layout(ctx, layout_, group_list_type_, kernels_.panel != nullptr, weight_ekn)
+            : grouped_matmul::read_problem(kOp, ctx, group_list_type_, true);
     const int64_t h = p.n / 2;
     int8_t* y = make_output<int8_t>(ctx, 0, {p.m, h});
     float* y_scale = make_output<float>(ctx, 1, {p.m});
