@@ -336,6 +336,12 @@ def bench_decode(args, writer, flush, gen):
                         rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
                         rows.append(_row(f"ours-{pv}-ort-session", batch, ctx, t, kv_bytes, rel))
                         writer(rows[-1])
+                        # As a rewritten model runs it: cu_seqlens_q on every step (one row each).
+                        tensors["cu_seqlens_q"] = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+                        out, t = ours_ort_session(tensors, pv, args.iters, flush)
+                        rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
+                        rows.append(_row(f"ours-{pv}-ort-session-cu", batch, ctx, t, kv_bytes, rel))
+                        writer(rows[-1])
                     except Exception as e:  # noqa: BLE001
                         print(f"ours ORT session pv {pv} batch {batch} ctx {ctx}: {type(e).__name__}: {e}",
                               file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from ort_ops._lib import _cdll, build_info, get_library_path
 
 PV_QUANT = {"none": 0, "s8": 1, "u8": 2}
 PA_STATUS = {1: "block_tables entry out of range", 2: "seq_lens out of range", 4: "cu_seqlens_q invalid",
-             8: "query not finite"}
+             8: "query not finite", 16: "decode_with_cu: a sequence has not exactly one query row"}
 QKV_STATUS = {1: "slot_mapping entry out of range", 2: "key/value not finite"}
 
 
@@ -67,17 +67,17 @@ class PagedAttention:
 
     def __init__(self, query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
                  cu_seqlens_q=None, *, scale=None, pv_quant="s8", partition_size=256, num_splits=0,
-                 max_q_len=None, max_context=None, out=None):
+                 max_q_len=None, max_context=None, out=None, decode_with_cu=False):
         import torch
 
         t, hq, d = query.shape
         n, hkv, b, _ = key_cache.shape
         s, m = block_tables.shape
         if max_q_len is None:
-            max_q_len = 1 if cu_seqlens_q is None else t
+            max_q_len = 1 if cu_seqlens_q is None or decode_with_cu else t
         if max_context is None:
             max_context = m * b
-        self.dims = (ctypes.c_int * 10)(t, s, hq, hkv, d, b, m, n, max_q_len, max_context)
+        self.dims = (ctypes.c_int * 11)(t, s, hq, hkv, d, b, m, n, max_q_len, max_context, int(decode_with_cu))
         self.args = (query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens, cu_seqlens_q)
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.pv = PV_QUANT[pv_quant]

@@ -314,3 +314,43 @@ def test_cuda_ep_quantize_then_attend(cuda_ep, rng):
     with pytest.raises(Exception, match=r"PagedAttentionInt8: input 'block_tables' must hold block ids"):
         sess.run(None, bad)
     sess.run(None, pf)  # the session still works after a failed Run
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "none"])
+def test_decode_kernel_takes_cu_seqlens_when_one_query_each(rng, pv_quant):
+    """decode_with_cu (what the CUDA op sets when T == S with cu_seqlens_q, every decode step of a
+    rewritten model): one row per sequence runs the decode kernel on cu_seqlens_q and matches the
+    reference; a T == S step that is not one row each (a sequence of 2 and one of 0) is reported
+    with the retry bit and computes nothing; a bad cu_seqlens_q is still flagged as such."""
+    lens, hq, hkv, d, b = [300, 1025, 64], 8, 2, 128, 64
+    query, cache, _ = _make_case(rng, lens, [1, 1, 1], hq, hkv, d, b, "float16", decode=True)
+    cu = np.arange(4, dtype=np.int32)
+    want, step = _ref(query, cache, cu, pv_quant=pv_quant)
+    for split in (0, 1, 3):
+        got, status = _run(query, cache, cu, pv_quant=pv_quant, num_splits=split, decode_with_cu=True)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, pv_quant, "float16", f"decode_with_cu splits={split}")
+    uneven = np.array([0, 2, 2, 3], np.int32)  # T == S = 3, but 2 / 0 / 1 rows
+    _, status = _run(query, cache, uneven, pv_quant=pv_quant, decode_with_cu=True)
+    assert status & 16 and not status & 4, status
+    bad = np.array([0, 1, 3, 2], np.int32)  # falls: invalid, whatever the kernel
+    _, status = _run(query, cache, bad, pv_quant=pv_quant, decode_with_cu=True)
+    assert status & 4, status
+
+
+def test_cuda_ep_decode_steps_with_cu_seqlens(cuda_ep, rng):
+    """A rewritten model passes cu_seqlens_q on every step: on the CUDA EP a one-row-each step
+    (decode kernel) and a T == S step that is not (decode kernel, then the general one) both
+    equal the reference."""
+    from ort_ops.ops import paged_attention_int8 as pa_mod
+
+    lens, hq, hkv, d, b = [300, 77, 1030], 8, 2, 128, 64
+    for q_lens in ([1, 1, 1], [2, 0, 1]):
+        query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, "float16", decode=False)
+        feeds = {"query": query, **{k: cache[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                                          "block_tables", "seq_lens")}, "cu_seqlens_q": cu}
+        sess = cuda_ep(pa_mod.SCHEMA, feeds, pv_quant="s8")
+        out = sess.run(None, feeds)[0]
+        assert _providers_of(sess, "PagedAttentionInt8") == {"CUDAExecutionProvider"}
+        want, step = _ref(query, cache, cu, pv_quant="s8")
+        _check_close(out, want, step, cache, "s8", "float16", f"ORT CUDA EP cu q_lens={q_lens}")

@@ -778,6 +778,21 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
     return;
   }
+  // The query row of sequence s: s itself without cu_seqlens_q; with it (decode_with_cu), the
+  // sequence's first row if it has exactly one, else the launch must be redone (status bit).
+  int qrow = s;
+  if (p.cu_seqlens_q != nullptr) {
+    const int q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1];
+    if (q0 < 0 || q1 < q0 || q1 > p.num_tokens || (s == 0 && q0 != 0) || (s == p.num_seqs - 1 && q1 != p.num_tokens)) {
+      if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
+      return;
+    }
+    if (q1 - q0 != 1) {
+      if (tid == 0) atomicOr(p.status, kPaNotOneQueryEach);
+      return;
+    }
+    qrow = q0;
+  }
   const int k_hi = min(k_lo + ts.ppc * partition, seq_len);
   const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
   const int nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;  // this warp's stages
@@ -845,7 +860,7 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
   const int head = h * G + g;
   uint32_t qa[QW];
   float sq;
-  if (!quantize_q_slice<D>(p, row_ok ? s : -1, head, t, qa, sq) && warp == 0) atomicOr(p.status, kPaQueryNonFinite);
+  if (!quantize_q_slice<D>(p, row_ok ? qrow : -1, head, t, qa, sq) && warp == 0) atomicOr(p.status, kPaQueryNonFinite);
 
   float o[D / 8][2];
 #pragma unroll
@@ -993,7 +1008,7 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
     }
     const float l = row_l[r];
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int64_t row = static_cast<int64_t>(s) * Hq + h * G + r;
+    const int64_t row = static_cast<int64_t>(qrow) * Hq + h * G + r;
     const float4 v = make_float4(acc4.x * inv, acc4.y * inv, acc4.z * inv, acc4.w * inv);
     if (ts.nsplit == 1) {
       store_out2(p, row, d, v.x, v.y);
@@ -1088,14 +1103,16 @@ int resident_ctas(int head_dim, bool rows16, bool fp16_codes) {
   }
 }
 
-// Decode launches (no cu_seqlens_q) with G <= 8 and D 64 / 128 run decode_warp_kernel. A
-// launch with cu_seqlens_q never does (that kernel does not check it), so the workspace for
+// Decode launches (no cu_seqlens_q, or decode_with_cu) with G <= 8 and D 64 / 128 run
+// decode_warp_kernel; other launches with cu_seqlens_q never do, so the workspace for
 // max_q_len == 1 and T == S is sized for both (the caller does not say whether cu comes).
 bool warp_decode_shape(const PagedAttentionParams& p) {
   return p.max_q_len == 1 && p.num_tokens == p.num_seqs && p.num_heads / p.num_kv_heads <= 8 &&
          (p.head_dim == 64 || p.head_dim == 128);
 }
-bool use_warp_decode(const PagedAttentionParams& p) { return p.cu_seqlens_q == nullptr && warp_decode_shape(p); }
+bool use_warp_decode(const PagedAttentionParams& p) {
+  return (p.cu_seqlens_q == nullptr || p.decode_with_cu) && warp_decode_shape(p);
+}
 
 TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
   TileShape ts;
@@ -1200,8 +1217,10 @@ const char* paged_attention_unsupported(const PagedAttentionParams& p) {
 }
 
 int paged_attention_num_splits(const PagedAttentionParams& p) {
-  return tile_shape(p, p.cu_seqlens_q == nullptr && warp_decode_shape(p)).nsplit;
+  return tile_shape(p, use_warp_decode(p)).nsplit;
 }
+
+bool paged_attention_decode_kernel_applies(const PagedAttentionParams& p) { return warp_decode_shape(p); }
 
 size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
   auto bytes = [&](const TileShape& ts) -> size_t {

@@ -26,6 +26,9 @@ enum PagedAttentionStatus : int {
   kPaSeqLenOutOfRange = 2,  // seq_lens[s] < 0, > M * B, or < the sequence's query count
   kPaCuSeqlensBad = 4,      // cu_seqlens_q not rising from 0 to T, or a q_len over max_q_len
   kPaQueryNonFinite = 8,    // NaN/Inf in the query
+  // decode_with_cu only: some sequence's cu_seqlens_q count is not 1, so the decode kernel left
+  // its rows undone; relaunch with decode_with_cu false (and max_q_len = T) for the result.
+  kPaNotOneQueryEach = 16,
 };
 
 enum class PvQuant : int { kNone = 0, kS8 = 1, kU8 = 2 };
@@ -58,7 +61,16 @@ struct PagedAttentionParams {
   int num_splits = 0;        // CTAs per (row tile, kv head) along the keys; 0: chosen here
   void* workspace = nullptr;  // paged_attention_workspace_bytes(...) bytes, 16-byte aligned
   int* status = nullptr;      // required
+  // With cu_seqlens_q, T == S and max_q_len 1: take cu_seqlens_q as "probably one query per
+  // sequence" and run the decode kernel (row cu_seqlens_q[s] for sequence s). A sequence whose
+  // count is not 1 sets kPaNotOneQueryEach instead of being computed (see above). Real models
+  // pass cu_seqlens_q on every step, so decode steps reach the decode kernel only this way.
+  bool decode_with_cu = false;
 };
+
+// Whether decode_with_cu takes effect for these parameters (the decode kernel's shapes: T == S,
+// max_q_len 1, G <= 8, D 64 or 128); when false the launch ignores it.
+bool paged_attention_decode_kernel_applies(const PagedAttentionParams& p);
 
 // Validates what a launch cannot check on the device; returns nullptr when supported, else a
 // message naming the unsupported value (the op turns it into an error naming the op).

@@ -28,7 +28,7 @@ ort_ops::PagedAttentionParams pa_params(const void* query, int query_fp16, const
   p.seq_lens = static_cast<const int32_t*>(seq_lens);
   p.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q);
   p.output = output;
-  // dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context
+  // dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context, decode_with_cu (0 or 1)
   p.num_tokens = dims[0];
   p.num_seqs = dims[1];
   p.num_heads = dims[2];
@@ -39,6 +39,7 @@ ort_ops::PagedAttentionParams pa_params(const void* query, int query_fp16, const
   p.num_blocks = dims[7];
   p.max_q_len = dims[8];
   p.max_context = dims[9];
+  p.decode_with_cu = dims[10] != 0;
   p.scale = scale;
   p.pv_quant = static_cast<ort_ops::PvQuant>(pv_quant);
   p.partition_size = partition_size;

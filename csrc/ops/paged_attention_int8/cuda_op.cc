@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -93,16 +94,31 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
     p.partition_size = static_cast<int>(attrs_.partition_size);
     if (const char* why = paged_attention_unsupported(p)) fail_unsupported(kOp, "(CUDA) ", why);
 
+    // A step with as many query rows as sequences is almost always decode (one row each): try
+    // the decode kernel on cu_seqlens_q (it reads each count on the device), and only if some
+    // count is not 1 (a status bit) run the general kernel as well. Real models pass
+    // cu_seqlens_q on every step, so this is how their decode steps reach the decode kernel.
+    PagedAttentionParams pd = p;
+    pd.max_q_len = 1;
+    pd.decode_with_cu = true;
+    const bool try_decode = cu.present && T == S && paged_attention_decode_kernel_applies(pd);
+
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-    const size_t ws = (paged_attention_workspace_bytes(p) + 255) / 256 * 256;
+    size_t ws = paged_attention_workspace_bytes(p);
+    if (try_decode) ws = std::max(ws, paged_attention_workspace_bytes(pd));
+    ws = (ws + 255) / 256 * 256;
     cuda_util::OrtCudaScratch scratch(kOp, ctx, ws + 256);
-    p.workspace = ws ? scratch.get() : nullptr;
-    p.status = reinterpret_cast<int*>(scratch.get() + ws);
-    check_cuda(cudaMemsetAsync(p.status, 0, sizeof(int), stream), "status reset");
-    check_cuda(launch_paged_attention_int8(p, stream), "kernel launch");
+    p.workspace = pd.workspace = ws ? scratch.get() : nullptr;
+    p.status = pd.status = reinterpret_cast<int*>(scratch.get() + ws);
     int status = 0;
-    check_cuda(cudaMemcpyAsync(&status, p.status, sizeof(int), cudaMemcpyDeviceToHost, stream), "status copy");
-    check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
+    auto run = [&](const PagedAttentionParams& launch) {
+      check_cuda(cudaMemsetAsync(launch.status, 0, sizeof(int), stream), "status reset");
+      check_cuda(launch_paged_attention_int8(launch, stream), "kernel launch");
+      check_cuda(cudaMemcpyAsync(&status, launch.status, sizeof(int), cudaMemcpyDeviceToHost, stream), "status copy");
+      check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
+    };
+    run(try_decode ? pd : p);
+    if (try_decode && (status & kPaNotOneQueryEach)) run(p);
     if (status & kPaSeqLenOutOfRange)
       fail_invalid(kOp, "input 'seq_lens' must be in 0..", M * B,
                    " (max_blocks * block_size) and >= each sequence's query count");
