@@ -232,46 +232,82 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
   // tile when K % 64 != 0, are gathered into `edge` with zeros past the width and past K.
   if (a.quads) {
     const int64_t k4 = kdim / 4, ktiles_all = (kdim + 63) / 64, ntiles = (n + 15) / 16;
-    alignas(64) uint8_t edge[16][32 * 4];
+    alignas(64) uint8_t edge[2][16][32 * 4];
     auto quad = [&](int64_t step, int64_t col) {
       return w + (((col / 16) * k4 + step) * 16 + col % 16) * 4;
     };
-    auto gather = [&](int64_t t, int64_t c0, int64_t live) {
+    // 32 packed columns from `ch`: natural first column, live columns, whether read in place.
+    struct Half {
+      int64_t c0, live;
+      bool direct;
+    };
+    auto half = [&](int64_t ch) {
+      const int64_t sg = ch / wpad, q = ch % wpad;
+      Half h{seg_col[sg] + q, q < width ? std::min<int64_t>(32, width - q) : 0, false};
+      h.direct = h.live == 32 && h.c0 % 16 == 0 && h.c0 / 16 + 1 < ntiles;
+      return h;
+    };
+    // The two B tiles (columns 0-15, 16-31) of k tile t of half h: in place, or gathered into e.
+    struct BTiles {
+      const uint8_t *p0, *p1;
+      int64_t ld;
+    };
+    auto btiles = [&](const Half& h, int64_t t, uint8_t (*e)[32 * 4]) {
+      if (h.direct && (t + 1) * 16 <= k4) {
+        const uint8_t* p = reinterpret_cast<const uint8_t*>(quad(t * 16, h.c0));
+        return BTiles{p, p + k4 * 64, 64};
+      }
       for (int64_t s = 0; s < 16; ++s)
         for (int64_t c = 0; c < 32; ++c) {
           const int64_t step = t * 16 + s;
-          if (step < k4 && c < live)
-            std::memcpy(edge[s] + c * 4, quad(step, c0 + c), 4);
+          if (step < k4 && c < h.live)
+            std::memcpy(e[s] + c * 4, quad(step, h.c0 + c), 4);
           else
-            std::memset(edge[s] + c * 4, 0, 4);
+            std::memset(e[s] + c * 4, 0, 4);
         }
+      return BTiles{e[0], e[0] + 64, int64_t{32 * 4}};
     };
     for (int64_t rb = 0; rb < a.rows; rb += 32) {
       const bool two = a.rows - rb > 16;
       const int8_t* xp = xs + rb * xstride;
-      for (int64_t ch = 0; ch < cols; ch += 32) {
-        const int64_t sg = ch / wpad, q = ch % wpad;
-        if (q >= width) continue;  // padding columns: never stored, wsp 0
-        const int64_t c0 = seg_col[sg] + q, live = std::min<int64_t>(32, width - q);
-        const bool direct = c0 % 16 == 0 && live == 32 && c0 / 16 + 1 < ntiles;
-        const uint8_t* b0 = reinterpret_cast<const uint8_t*>(quad(0, c0));
-        const uint8_t* b1 = b0 + k4 * 64;  // the next column tile
+      // Up to 16 rows: 64 columns a chunk (four column tiles, four streams in flight), else 32
+      // columns of 32 rows. wpad is a multiple of 64, so both halves are in one segment.
+      for (int64_t ch = 0; ch < cols; ch += two ? 32 : 64) {
+        const Half h0 = half(ch);
+        if (h0.live == 0) continue;  // padding columns: never stored, wsp 0
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t t = 0; t < ktiles_all; ++t) {
-          if (direct && (t + 1) * 16 <= k4) {
-            _tile_loadd(6, b0 + t * 1024, 64);
-            _tile_loadd(7, b1 + t * 1024, 64);
-          } else {
-            gather(t, c0, live);
-            _tile_loadd(6, edge[0], sizeof edge[0]);
-            _tile_loadd(7, edge[0] + 64, sizeof edge[0]);
+        if (two) {
+          for (int64_t t = 0; t < ktiles_all; ++t) {
+            const BTiles b = btiles(h0, t, edge[0]);
+            _tile_loadd(6, b.p0, b.ld);
+            _tile_loadd(7, b.p1, b.ld);
+            panel_mac(xp + t * 64, xstride, true);
           }
-          panel_mac(xp + t * 64, xstride, two);
+          panel_store(acc + rb * cols + ch, cols, ldb, true);
+          continue;
         }
-        panel_store(acc + rb * cols + ch, cols, ldb, two);
+        const Half h1 = half(ch + 32);
+        for (int64_t t = 0; t < ktiles_all; ++t) {
+          _tile_loadd(4, xp + t * 64, xstride);
+          const BTiles b0 = btiles(h0, t, edge[0]);
+          _tile_loadd(6, b0.p0, b0.ld);
+          _tile_dpbssd(0, 4, 6);
+          _tile_loadd(7, b0.p1, b0.ld);
+          _tile_dpbssd(1, 4, 7);
+          const BTiles b1 = btiles(h1, t, edge[1]);
+          _tile_loadd(5, b1.p0, b1.ld);
+          _tile_dpbssd(2, 4, 5);
+          _tile_loadd(6, b1.p1, b1.ld);
+          _tile_dpbssd(3, 4, 6);
+        }
+        int32_t* c = acc + rb * cols + ch;
+        _tile_stored(0, c, ldb);
+        _tile_stored(1, c + 16, ldb);
+        _tile_stored(2, c + 32, ldb);
+        _tile_stored(3, c + 48, ldb);
       }
     }
   }
