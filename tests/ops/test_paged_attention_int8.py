@@ -179,8 +179,10 @@ def test_session_reused_across_shapes(rng):
 @pytest.mark.parametrize("length", [4096, 8192, 16384])
 def test_error_budget_vs_fp64(rng, length):
     """RMS error against fp64 attention on the unquantized K/V, N(0,1), head_dim 128: INT8 P.V
-    costs at most 1.4x (s8) / 1.15x (u8) the error of K/V quantization alone (pv none)."""
-    hq, hkv, d = 4, 1, 128
+    costs at most 1.4x (s8) / 1.15x (u8) the error of K/V quantization alone (pv none).
+    32 query heads: with 4 (512 outputs) the ratio's spread reached the bounds (s8 max 1.385 of
+    150 seeds at 8k, one failure seen in CI-like runs); with 32 its 100-seed max is 1.34 / 1.10."""
+    hq, hkv, d = 32, 1, 128
     k = rng.standard_normal((length, hkv, d)).astype(np.float32)
     v = rng.standard_normal((length, hkv, d)).astype(np.float32)
     q = rng.standard_normal((1, hq, d)).astype(np.float32)
