@@ -277,14 +277,20 @@ def test_two_blocks_in_one_model(rng):
     m0 = build_moe(w0, K)
     m1 = compose.add_prefix(build_moe(w1, K, routing="softmax_topk"), "l1/")
     proto = compose.merge_models(m0, m1, io_map=[("y", "l1/x")])
+    # The first block's output is a graph output too, so each block is checked on its own input:
+    # the graph's router (ORT's Softmax) and numpy's differ in the last bit of the top-k weights,
+    # so y0 does too, and layer 2's per-row input quantization then moved one code at a rounding
+    # tie in 2 of 300 seeds (a 1e-4 jump on one row), which is no fault of the rewrite.
+    proto.graph.output.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None))
     fused, result = _fuse_proto(proto)
     assert result.fused == 2, result.declined
     assert collections.Counter(n.op_type for n in fused.graph.node)["GroupedMatmulSwigluQuant"] == 2
     x = rng.standard_normal((23, H)).astype(np.float32)
-    got = _session(fused).run(None, {"x": x})[0]
+    got, got_y0 = _session(fused).run(["l1/y", "y"], {"x": x})
     q0, q1 = ml.quantize_moe_weights(w0), ml.quantize_moe_weights(w1)
     y0 = ml.moe_layer_int8_reference(x, q0, *ml.route(x, w0.router, K, True))
-    want = ml.moe_layer_int8_reference(y0, q1, *ml.route(y0, w1.router, K, False))
+    assert np.max(np.abs(got_y0 - y0)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(y0))
+    want = ml.moe_layer_int8_reference(got_y0, q1, *ml.route(got_y0, w1.router, K, False))
     assert np.max(np.abs(got - want)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(want))
 
 
