@@ -267,48 +267,55 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
         }
       return BTiles{e[0], e[0] + 64, int64_t{32 * 4}};
     };
-    for (int64_t rb = 0; rb < a.rows; rb += 32) {
-      const bool two = a.rows - rb > 16;
-      const int8_t* xp = xs + rb * xstride;
-      // Up to 16 rows: 64 columns a chunk (four column tiles, four streams in flight), else 32
-      // columns of 32 rows. wpad is a multiple of 64, so both halves are in one segment.
-      for (int64_t ch = 0; ch < cols; ch += two ? 32 : 64) {
-        const Half h0 = half(ch);
-        if (h0.live == 0) continue;  // padding columns: never stored, wsp 0
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        if (two) {
+    // Up to 16 rows: 64 columns a chunk (four column tiles, four streams in flight). More rows:
+    // 32 columns a chunk, every 32-row block over it in turn, so a chunk's weights (K * 128
+    // bytes) come from memory once and from L2 for the other blocks. wpad is a multiple of 64,
+    // so both halves of a 64-column chunk are in one segment.
+    const bool one = a.rows <= 16;
+    for (int64_t ch = 0; ch < cols; ch += one ? 64 : 32) {
+      const Half h0 = half(ch);
+      if (h0.live == 0) continue;  // padding columns: never stored, wsp 0
+      if (!one) {
+        for (int64_t rb = 0; rb < a.rows; rb += 32) {
+          const bool two = a.rows - rb > 16;
+          const int8_t* xp = xs + rb * xstride;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
           for (int64_t t = 0; t < ktiles_all; ++t) {
             const BTiles b = btiles(h0, t, edge[0]);
             _tile_loadd(6, b.p0, b.ld);
             _tile_loadd(7, b.p1, b.ld);
-            panel_mac(xp + t * 64, xstride, true);
+            panel_mac(xp + t * 64, xstride, two);
           }
-          panel_store(acc + rb * cols + ch, cols, ldb, true);
-          continue;
+          panel_store(acc + rb * cols + ch, cols, ldb, two);
         }
-        const Half h1 = half(ch + 32);
-        for (int64_t t = 0; t < ktiles_all; ++t) {
-          _tile_loadd(4, xp + t * 64, xstride);
-          const BTiles b0 = btiles(h0, t, edge[0]);
-          _tile_loadd(6, b0.p0, b0.ld);
-          _tile_dpbssd(0, 4, 6);
-          _tile_loadd(7, b0.p1, b0.ld);
-          _tile_dpbssd(1, 4, 7);
-          const BTiles b1 = btiles(h1, t, edge[1]);
-          _tile_loadd(5, b1.p0, b1.ld);
-          _tile_dpbssd(2, 4, 5);
-          _tile_loadd(6, b1.p1, b1.ld);
-          _tile_dpbssd(3, 4, 6);
-        }
-        int32_t* c = acc + rb * cols + ch;
-        _tile_stored(0, c, ldb);
-        _tile_stored(1, c + 16, ldb);
-        _tile_stored(2, c + 32, ldb);
-        _tile_stored(3, c + 48, ldb);
+        continue;
       }
+      const Half h1 = half(ch + 32);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < ktiles_all; ++t) {
+        _tile_loadd(4, xs + t * 64, xstride);
+        const BTiles b0 = btiles(h0, t, edge[0]);
+        _tile_loadd(6, b0.p0, b0.ld);
+        _tile_dpbssd(0, 4, 6);
+        _tile_loadd(7, b0.p1, b0.ld);
+        _tile_dpbssd(1, 4, 7);
+        const BTiles b1 = btiles(h1, t, edge[1]);
+        _tile_loadd(5, b1.p0, b1.ld);
+        _tile_dpbssd(2, 4, 5);
+        _tile_loadd(6, b1.p1, b1.ld);
+        _tile_dpbssd(3, 4, 6);
+      }
+      int32_t* c = acc + ch;
+      _tile_stored(0, c, ldb);
+      _tile_stored(1, c + 16, ldb);
+      _tile_stored(2, c + 32, ldb);
+      _tile_stored(3, c + 48, ldb);
     }
   }
   for (int64_t k0 = 0; k0 < (a.quads ? 0 : kdim); k0 += kPanelK) {
