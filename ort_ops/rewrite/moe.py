@@ -769,8 +769,14 @@ def check_weight_layout(weight_layout: str) -> None:
 def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
     """GroupedMatmulSwigluQuant's weight as stored for ``weight_layout`` and the node attributes:
     "EKN" [E, H, 2I] as quantized (no attribute: the op's default), "ENK" transposed [E, 2I, H],
-    "EN16K4" packed as AMX B tiles [E, ceil(2I/16), H/4, 16, 4] (H a multiple of 4)."""
+    "EN16K4" packed as AMX B tiles [E, ceil(2I/16), H/4, 16, 4]. That needs H % 4 == 0; a block
+    with another H keeps "EKN" (with a warning), so no block is left half rewritten."""
     check_weight_layout(weight_layout)
+    if weight_layout == "EN16K4" and gu_q.shape[1] % 4 != 0:
+        import warnings
+        warnings.warn(f"rewrite: moe_weight_layout EN16K4 needs the hidden size to be a multiple of 4, "
+                      f"got {gu_q.shape[1]}: this block keeps EKN", stacklevel=2)
+        weight_layout = "EKN"
     if weight_layout == "EKN":
         return gu_q, {}
     if weight_layout == "EN16K4":

@@ -117,3 +117,16 @@ def test_cli_moe_weight_layout_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["rewrite", "--help"])
     assert "--moe-weight-layout {EKN,ENK,EN16K4}" in capsys.readouterr().out
+
+
+def test_en16k4_keeps_ekn_for_a_hidden_size_not_a_multiple_of_4():
+    """EN16K4 packs H in groups of 4: a block with another H keeps EKN (warned), instead of the
+    rewrite failing halfway with earlier blocks already changed."""
+    from ort_ops.rewrite.moe import _swiglu_weight
+
+    q = (np.arange(2 * 6 * 32) % 255 - 127).astype(np.int8).reshape(2, 6, 32)  # H = 6
+    with pytest.warns(UserWarning, match="multiple of 4"):
+        w, attrs = _swiglu_weight(q, "EN16K4")
+    assert attrs == {} and np.array_equal(w, q)
+    w, attrs = _swiglu_weight(np.ones((2, 8, 32), np.int8), "EN16K4")
+    assert attrs == {"weight_layout": "EN16K4"} and w.shape == (2, 2, 2, 16, 4)
