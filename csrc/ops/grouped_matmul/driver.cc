@@ -63,7 +63,10 @@ void advise_weight_pages(const OrtKernelInfo* info, size_t index) {
 }
 
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n) {
-  const Inputs in = read_inputs(ctx);
+  return read_problem(op, read_inputs(ctx), group_list_type, even_n);
+}
+
+Problem read_problem(const char* op, const Inputs& in, int64_t group_list_type, bool even_n) {
   const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
                   &gl = in.group_list;
   DeviceChecks cpu;

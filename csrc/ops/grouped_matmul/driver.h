@@ -11,6 +11,7 @@
 #include "common/tensor.h"
 #include "onnxruntime_cxx_api.h"
 #include "ops/grouped_matmul/cpu.h"
+#include "ops/grouped_matmul/validate.h"
 
 namespace ort_ops::grouped_matmul {
 
@@ -36,6 +37,9 @@ void advise_weight_pages(const OrtKernelInfo* info, size_t index);
 
 // Validates inputs 0..4 and the attribute value; throws OpError naming the op and the input.
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n);
+// The same on inputs already read (a caller that first maps another weight layout to the logical
+// [E, K, N] shape for validation; p.w is the weight's data as given).
+Problem read_problem(const char* op, const Inputs& in, int64_t group_list_type, bool even_n);
 
 // Runs every (expert, row chunk, column tile) task, and for few-row experts every (expert,
 // k block) partial-sum task then one epilogue task per expert, over ORT's pool.

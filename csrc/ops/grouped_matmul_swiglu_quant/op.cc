@@ -126,51 +126,15 @@ void unpack_en16k4(const int8_t* src, int8_t* dst, int64_t n, int64_t k) {
 
 // The Problem of an "ENK" or "EN16K4" weight, with p.w pointing at `scratch` (the used experts
 // transposed or unpacked to [K, N]), or for "EN16K4" with `quads_direct` (the AMX panels read it)
-// at the weight itself (p.w_quads). The checks and messages are read_problem's; only the weight's
-// shape is read in the layout's order.
+// at the weight itself (p.w_quads). The checks and messages are read_problem's (on the weight's
+// shape read in the layout's order).
 grouped_matmul::Problem read_problem_layout(Ort::KernelContext& ctx, WeightLayout layout, int64_t group_list_type,
                                             bool quads_direct, WeightScratch& scratch) {
   using grouped_matmul::Problem;
   grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
   gmsq_layout::to_logical_weight(kOp, in, layout, true);
-  grouped_matmul::DeviceChecks cpu;
-  cpu.after_weight = [](const char* op, const grouped_matmul::Dims& d) {
-    if (d.k > grouped_matmul::kMaxK)
-      fail_unsupported(op, "K must be <= ", grouped_matmul::kMaxK,
-                       " so the int32 accumulator cannot overflow, got ", d.k);
-  };
-  const grouped_matmul::Dims d = grouped_matmul::validate_inputs(kOp, in, true, cpu);
-  Problem p;
-  p.m = d.m;
-  p.k = d.k;
-  p.n = d.n;
-  p.e = d.e;
-  const int64_t* g = in.group_list.ptr<int64_t>();
-  p.ends.resize(static_cast<size_t>(d.e));
-  int64_t end = 0;
-  for (int64_t i = 0; i < d.e; ++i) {
-    const int64_t v = g[i];
-    if (group_list_type == 1 && v < 0)
-      fail_invalid(kOp, "input 'group_list' must hold counts >= 0, got ", v, " at index ", i);
-    if (group_list_type == 1 && v > d.m - end)
-      fail_invalid(kOp, "input 'group_list' counts must sum to <= ", d.m, " (rows of 'x'), got more");
-    if (group_list_type == 0 && v < end)
-      fail_invalid(kOp, "input 'group_list' must be non-decreasing and >= 0, got ", v, " at index ", i,
-                   " after ", end);
-    end = group_list_type == 1 ? end + v : v;
-    p.ends[static_cast<size_t>(i)] = end;
-  }
-  if (end > d.m) fail_invalid(kOp, "input 'group_list' must end at <= ", d.m, " (rows of 'x'), got ", end);
-  p.rows_used = end;
-  p.x = in.x.ptr<int8_t>();
-  auto scales = [](const InputView& t, std::vector<float>& f32) {
-    if (t.dtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) return t.ptr<float>();
-    f32.resize(static_cast<size_t>(t.numel));
-    half_to_float_scalar(t.ptr<uint16_t>(), f32.data(), t.numel);
-    return static_cast<const float*>(f32.data());
-  };
-  p.w_scale = scales(in.weight_scale, p.w_scale_f32);
-  p.x_scale = scales(in.x_scale, p.x_scale_f32);
+  Problem p = grouped_matmul::read_problem(kOp, in, group_list_type, true);
+  const grouped_matmul::Dims d{p.m, p.k, p.n, p.e};
 
   if (layout == WeightLayout::kEN16K4 && quads_direct) {
     p.w = in.weight.ptr<int8_t>();
