@@ -8,8 +8,8 @@ interface) and runs on ORT's CPU EP with the same intra-op thread count:
 
   ours        Softmax/TopK, MoeInitRouting, DynamicQuant, GroupedMatmulSwigluQuant,
               GroupedMatmulDequant, MoeFinalizeRouting (ort_ops.ops.moe_layer.build_moe_int8_model)
-  ours_en16k4 the same model with the gate/up weight stored weight_layout "EN16K4" (AMX B tiles,
-              packed offline as the rewrite's --moe-weight-layout EN16K4 does)
+  ours_en16k4 the same model with both GEMMs' weights (gate/up and down) stored weight_layout
+              "EN16K4" (AMX B tiles, packed offline as the rewrite's --moe-weight-layout EN16K4 does)
   moe_fp32    com.microsoft.MoE, float32 weights (interleaved SwiGLU, alpha 1, beta 0, no limit)
   qmoe8_ch    com.microsoft.QMoE, 8-bit weights, per-output-channel scales (float activations)
   qmoe8_b128  com.microsoft.QMoE, 8-bit weights, block-128 scales
@@ -156,14 +156,15 @@ def build(name, w, q, k):
     if name == "ours_en16k4":
         from onnx import helper, numpy_helper
 
-        from ort_ops.ops.grouped_matmul_swiglu_quant import pack_en16k4
+        from ort_ops.ops._moe import pack_en16k4
 
         model = ml.build_moe_int8_model(q, k)
+        packed = {"w_gate_up": q.gate_up, "w_down": q.down}  # both GEMMs' weights as AMX B tiles
         for i, init in enumerate(model.graph.initializer):
-            if init.name == "w_gate_up":
-                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(pack_en16k4(q.gate_up), "w_gate_up"))
+            if init.name in packed:
+                model.graph.initializer[i].CopyFrom(numpy_helper.from_array(pack_en16k4(packed[init.name]), init.name))
         for node in model.graph.node:
-            if node.op_type == "GroupedMatmulSwigluQuant":
+            if node.op_type in ("GroupedMatmulSwigluQuant", "GroupedMatmulDequant") and node.input[1] in packed:
                 node.attribute.append(helper.make_attribute("weight_layout", "EN16K4"))
         return model, True
     if name == "moe_fp32":

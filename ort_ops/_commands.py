@@ -167,10 +167,11 @@ def register(sub) -> None:
     _bool_flag(rw, "attention", "run the attention fusion (default on)")
     _bool_flag(rw, "moe", "run the MoE fusion (default on)")
     rw.add_argument("--moe-weight-layout", choices=("EKN", "ENK", "EN16K4"), default="EKN",
-                    help="how the MoE gate/up weights are stored: EKN [E, H, 2I] (default; fastest on "
-                         "CPU without AMX and pre-Hopper GPUs), ENK [E, 2I, H], transposed offline for the Hopper "
-                         "wgmma kernel (H100/H200, prefill-heavy serving), or EN16K4 [E, 2I/16, H/4, 16, 4], "
-                         "AMX B tiles packed offline for the CPU's AMX kernels (CPU only)")
+                    help="how the MoE expert weights are stored: EKN [E, H, 2I] (default; fastest on "
+                         "CPU without AMX and pre-Hopper GPUs), ENK: gate/up [E, 2I, H], transposed offline for "
+                         "the Hopper wgmma kernel (H100/H200, prefill-heavy serving), or EN16K4: gate/up "
+                         "[E, 2I/16, H/4, 16, 4] and down [E, H/16, I/4, 16, 4], AMX B tiles packed offline "
+                         "for the CPU's AMX kernels (CPU only)")
     rw.add_argument("--json", action="store_true", help="machine-readable report")
     rw.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     rw.set_defaults(func=_cmd_rewrite)

@@ -133,6 +133,62 @@ def check_float(op: str, name: str, a: np.ndarray, shape: tuple[int, ...]) -> np
     return a.astype(np.float32)
 
 
+WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
+
+
+def pack_en16k4(weight_ekn_: np.ndarray, op: str = "GroupedMatmulSwigluQuant") -> np.ndarray:
+    """[E, K, N] -> "EN16K4" [E, ceil(N/16), K/4, 16, 4]: out[e, n // 16, k // 4, n % 16, k % 4] =
+    W_e[k, n], zeros for n >= N (K % 4 == 0). Every 1 KB run is one AMX B tile (16 k quads of 16
+    columns), the layout the CPU's AMX panels read without packing."""
+    w = np.asarray(weight_ekn_)
+    e, k, n = w.shape
+    if k % 4:
+        raise ValueError(f"{op}: weight_layout 'EN16K4' needs K (dim 1 of 'x') to be a multiple of 4, got {k}")
+    nt = (n + 15) // 16
+    p = np.zeros((e, k, nt * 16), w.dtype)
+    p[:, :, :n] = w
+    return np.ascontiguousarray(p.reshape(e, k // 4, 4, nt, 16).transpose(0, 3, 1, 4, 2))
+
+
+def weight_ekn(op: str, x, weight, weight_layout: str = "EKN", weight_scale=None, even_n: bool = False):
+    """``weight`` of GroupedMatmulSwigluQuant / GroupedMatmulDequant in the contract's [E, K, N]
+    order: checks the attribute ``weight_layout`` and, for "ENK", that the weight is [E, N, K]
+    with K of ``x`` (and N even when ``even_n``), then transposes it (a view); for "EN16K4", that
+    it is [E, ceil(N/16), K/4, 16, 4] (N of ``weight_scale`` [E, N]), then unpacks it. Messages
+    as the kernels' (csrc/ops/grouped_matmul_swiglu_quant/weight_layout.h, shared by both ops)."""
+    if not isinstance(weight_layout, str) or weight_layout not in WEIGHT_LAYOUTS:
+        got = f"'{weight_layout}'" if isinstance(weight_layout, str) and weight_layout else "a non-string value"
+        raise ValueError(f"{op}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]), 'ENK' "
+                         f"(weight [E, N, K]) or 'EN16K4' (weight [E, N/16, K/4, 16, 4]), got {got}")
+    if weight_layout == "EKN":
+        return weight
+    x = check_int8(op, "x", x, 2)
+    if weight_layout == "EN16K4":
+        weight = np.asarray(weight)
+        if weight.dtype != np.int8:
+            raise ValueError(f"{op}: input 'weight' must be int8, got {weight.dtype}")
+        k = x.shape[1]
+        if k % 4:
+            raise ValueError(f"{op}: weight_layout 'EN16K4' needs K (dim 1 of 'x') to be a multiple of 4, got {k}")
+        ws = None if weight_scale is None else np.asarray(weight_scale)
+        n = ws.shape[1] if ws is not None and ws.ndim == 2 else (weight.shape[1] * 16 if weight.ndim == 5 else 0)
+        nt = (n + 15) // 16
+        if weight.ndim != 5 or weight.shape[1:] != (nt, k // 4, 16, 4):
+            raise ValueError(f"{op}: input 'weight' must be [E, ceil(N/16), K/4, 16, 4] = [E, {nt}, {k // 4}, 16, 4] "
+                             f"for weight_layout 'EN16K4' (K of 'x', N of 'weight_scale'), got {list(weight.shape)}")
+        e = weight.shape[0]
+        return weight.transpose(0, 2, 4, 1, 3).reshape(e, k, nt * 16)[:, :, :n]
+    weight = check_int8(op, "weight", weight, 3)
+    k = x.shape[1]
+    if weight.shape[2] != k:
+        raise ValueError(f"{op}: input 'weight' must be [E, N, K] = [E, N, {k}] for weight_layout 'ENK' "
+                         f"(K of 'x'), got {list(weight.shape)}")
+    if even_n and weight.shape[1] % 2:
+        raise ValueError(f"{op}: input 'weight' must have an even N (dim 1 for weight_layout 'ENK'), "
+                         f"got {weight.shape[1]}")
+    return weight.transpose(0, 2, 1)
+
+
 def grouped_dequant_matmul(op: str, x, weight, weight_scale, x_scale, group_list,
                            group_list_type: int) -> tuple[np.ndarray, np.ndarray]:
     """Validates the GroupedMatmul* inputs and returns (C float32 [M, N], valid bool [M]).

@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ort_ops.ops._moe import check_int8, grouped_dequant_matmul, swiglu_f32
+from ort_ops.ops._moe import WEIGHT_LAYOUTS, grouped_dequant_matmul, pack_en16k4, swiglu_f32  # noqa: F401 (re-exported)
+from ort_ops.ops._moe import weight_ekn as _weight_ekn
 from ort_ops.ops._quant import quantize_rows
 from ort_ops.ops._schema import FLOAT_TYPES, Arg, Attr, OpSchema
 
@@ -74,58 +75,9 @@ SCHEMA = OpSchema(
 )
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
-
-
-def pack_en16k4(weight_ekn_: np.ndarray) -> np.ndarray:
-    """[E, K, N] -> "EN16K4" [E, ceil(N/16), K/4, 16, 4]: out[e, n // 16, k // 4, n % 16, k % 4] =
-    W_e[k, n], zeros for n >= N (K % 4 == 0)."""
-    w = np.asarray(weight_ekn_)
-    e, k, n = w.shape
-    if k % 4:
-        raise ValueError(f"{OP}: weight_layout 'EN16K4' needs K (dim 1 of 'x') to be a multiple of 4, got {k}")
-    nt = (n + 15) // 16
-    p = np.zeros((e, k, nt * 16), w.dtype)
-    p[:, :, :n] = w
-    return np.ascontiguousarray(p.reshape(e, k // 4, 4, nt, 16).transpose(0, 3, 1, 4, 2))
-
-
 def weight_ekn(x, weight, weight_layout: str = "EKN", weight_scale=None):
-    """``weight`` in the contract's [E, K, N] order: checks the attribute and, for "ENK", that the
-    weight is [E, N, K] with K of ``x``, then transposes it (a view); for "EN16K4", that it is
-    [E, ceil(N/16), K/4, 16, 4] (N of ``weight_scale`` [E, N]), then unpacks it. Messages as the
-    kernels'."""
-    if weight_layout not in WEIGHT_LAYOUTS:
-        got = f"'{weight_layout}'" if isinstance(weight_layout, str) and weight_layout else "a non-string value"
-        raise ValueError(f"{OP}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]), 'ENK' "
-                         f"(weight [E, N, K]) or 'EN16K4' (weight [E, N/16, K/4, 16, 4]), got {got}")
-    if weight_layout == "EKN":
-        return weight
-    x = check_int8(OP, "x", x, 2)
-    if weight_layout == "EN16K4":
-        weight = np.asarray(weight)
-        if weight.dtype != np.int8:
-            raise ValueError(f"{OP}: input 'weight' must be int8, got {weight.dtype}")
-        k = x.shape[1]
-        if k % 4:
-            raise ValueError(f"{OP}: weight_layout 'EN16K4' needs K (dim 1 of 'x') to be a multiple of 4, got {k}")
-        ws = None if weight_scale is None else np.asarray(weight_scale)
-        n = ws.shape[1] if ws is not None and ws.ndim == 2 else (weight.shape[1] * 16 if weight.ndim == 5 else 0)
-        nt = (n + 15) // 16
-        if weight.ndim != 5 or weight.shape[1:] != (nt, k // 4, 16, 4):
-            raise ValueError(f"{OP}: input 'weight' must be [E, ceil(N/16), K/4, 16, 4] = [E, {nt}, {k // 4}, 16, 4] "
-                             f"for weight_layout 'EN16K4' (K of 'x', N of 'weight_scale'), got {list(weight.shape)}")
-        e = weight.shape[0]
-        return weight.transpose(0, 2, 4, 1, 3).reshape(e, k, nt * 16)[:, :, :n]
-    weight = check_int8(OP, "weight", weight, 3)
-    k = x.shape[1]
-    if weight.shape[2] != k:
-        raise ValueError(f"{OP}: input 'weight' must be [E, N, K] = [E, N, {k}] for weight_layout 'ENK' "
-                         f"(K of 'x'), got {list(weight.shape)}")
-    if weight.shape[1] % 2:
-        raise ValueError(f"{OP}: input 'weight' must have an even N (dim 1 for weight_layout 'ENK'), "
-                         f"got {weight.shape[1]}")
-    return weight.transpose(0, 2, 1)
+    """``weight`` in the contract's [E, K, N] order (``ort_ops.ops._moe.weight_ekn``; N even for "ENK")."""
+    return _weight_ekn(OP, x, weight, weight_layout, weight_scale, even_n=True)
 
 
 def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,

@@ -15,8 +15,10 @@ the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, 
 [E, H]. With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
 gate_up is stored transposed, int8 [E, 2I, H], and GroupedMatmulSwigluQuant says so with its
 attribute ``weight_layout="ENK"``: the Hopper wgmma kernel's operand, packed here offline (same
-outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stores it as AMX B
-tiles, int8 [E, ceil(2I/16), H/4, 16, 4] (``pack_en16k4``), the CPU's AMX layout (CPU only).
+outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stores both GEMMs'
+weights as AMX B tiles, the CPU's AMX layout (CPU only; ``pack_en16k4``): gate_up int8
+[E, ceil(2I/16), H/4, 16, 4] and down int8 [E, ceil(H/16), I/4, 16, 4], each node with
+weight_layout="EN16K4" (a weight whose K, H or I, is not a multiple of 4 keeps "EKN", warned).
 The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
 with the graph's own routing.
 
@@ -766,31 +768,52 @@ def check_weight_layout(weight_layout: str) -> None:
                          f"got '{weight_layout}'")
 
 
+def _en16k4_or_ekn(q: np.ndarray, what: str, dim: str) -> str:
+    """"EN16K4" if ``q`` [E, K, N] can be packed (K % 4 == 0), else "EKN" with a warning naming the
+    weight, so that no block is left half rewritten."""
+    if q.shape[1] % 4 == 0:
+        return "EN16K4"
+    import warnings
+    warnings.warn(f"rewrite: moe_weight_layout EN16K4 needs the {dim} to be a multiple of 4, "
+                  f"got {q.shape[1]}: this block's {what} weight keeps EKN", stacklevel=3)
+    return "EKN"
+
+
 def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
     """GroupedMatmulSwigluQuant's weight as stored for ``weight_layout`` and the node attributes:
     "EKN" [E, H, 2I] as quantized (no attribute: the op's default), "ENK" transposed [E, 2I, H],
     "EN16K4" packed as AMX B tiles [E, ceil(2I/16), H/4, 16, 4]. That needs H % 4 == 0; a block
     with another H keeps "EKN" (with a warning), so no block is left half rewritten."""
     check_weight_layout(weight_layout)
-    if weight_layout == "EN16K4" and gu_q.shape[1] % 4 != 0:
-        import warnings
-        warnings.warn(f"rewrite: moe_weight_layout EN16K4 needs the hidden size to be a multiple of 4, "
-                      f"got {gu_q.shape[1]}: this block keeps EKN", stacklevel=2)
-        weight_layout = "EKN"
+    if weight_layout == "EN16K4":
+        weight_layout = _en16k4_or_ekn(gu_q, "gate/up", "hidden size")
     if weight_layout == "EKN":
         return gu_q, {}
     if weight_layout == "EN16K4":
-        from ort_ops.ops.grouped_matmul_swiglu_quant import pack_en16k4
+        from ort_ops.ops._moe import pack_en16k4
         return pack_en16k4(gu_q), {"weight_layout": weight_layout}
     return np.ascontiguousarray(gu_q.transpose(0, 2, 1)), {"weight_layout": weight_layout}
+
+
+def _down_weight(dn_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
+    """GroupedMatmulDequant's weight as stored for ``weight_layout`` and the node attributes:
+    "EN16K4" packs it as AMX B tiles [E, ceil(H/16), I/4, 16, 4] (I % 4 == 0, else "EKN" with a
+    warning); "EKN" and "ENK" keep [E, I, H] ("ENK" is the Hopper wgmma kernel's gate/up operand;
+    GroupedMatmulDequant on the CUDA EP reads "EKN" only)."""
+    check_weight_layout(weight_layout)
+    if weight_layout != "EN16K4" or _en16k4_or_ekn(dn_q, "down", "intermediate size") == "EKN":
+        return dn_q, {}
+    from ort_ops.ops._moe import pack_en16k4
+    return pack_en16k4(dn_q, "GroupedMatmulDequant"), {"weight_layout": "EN16K4"}
 
 
 def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
                     w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
                     weight_layout: str = "EKN") -> tuple[list[ir.Node], ir.Value, int]:
     """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
-    gate/up [E, H, I], down [E, I, H]; ``weight_layout`` is GroupedMatmulSwigluQuant's ("EKN" or
-    "ENK", the gate/up weight then stored [E, 2I, H]). Returns (nodes, out [T, H] float32, bytes of
+    gate/up [E, H, I], down [E, I, H]; ``weight_layout`` "EKN", "ENK" (the gate/up weight then
+    stored [E, 2I, H]) or "EN16K4" (both weights as AMX B tiles, ``_swiglu_weight`` /
+    ``_down_weight``). Returns (nodes, out [T, H] float32, bytes of
     the INT8 weights and scales). Nodes are not yet inserted."""
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
@@ -798,6 +821,7 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     gu_q, gu_s = quantize_expert_weights(np.concatenate([w_gate, w_up], axis=2))
     gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
     dn_q, dn_s = quantize_expert_weights(w_down)
+    dn_q, dn_attrs = _down_weight(dn_q, weight_layout)
     inits = [_initializer(graph, f"{prefix}/gate_up_int8", gu_q),
              _initializer(graph, f"{prefix}/gate_up_scale", gu_s),
              _initializer(graph, f"{prefix}/down_int8", dn_q),
@@ -818,7 +842,7 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     sorted_x, s2f, groups = add("MoeInitRouting", [x, ids32], 3, num_experts=e)
     xq, xs = add("DynamicQuant", [sorted_x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
-    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups])[0]
+    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
     nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     return nodes, out, nbytes
@@ -929,6 +953,7 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
     gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
     dn_q, dn_s = quantize_expert_weights(wd[None])
+    dn_q, dn_attrs = _down_weight(dn_q, weight_layout)
     inits = [_initializer(graph, f"{prefix}/{n}", a) for n, a in
              [("gate_up_int8", gu_q), ("gate_up_scale", gu_s), ("down_int8", dn_q), ("down_scale", dn_s)]]
     nodes = []
@@ -943,7 +968,7 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
     groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
     xq, xs = add("DynamicQuant", [x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
-    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups])[0]
+    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     graph.insert_after(mlp_out.producer(), nodes)
     _replace_value(mlp_out, y)
     return {"intermediate": wg.shape[1], "weight_bytes_before": wg.nbytes + wu.nbytes + wd.nbytes,

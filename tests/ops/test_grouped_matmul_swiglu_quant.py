@@ -221,16 +221,16 @@ def test_row_blocks(rng, gemm_isa):
     assert_exact(_run(inputs), reference.grouped_matmul_swiglu_quant(**inputs))
 
 
-def weight_initializer_session(inputs, **attrs):
-    """A CPU session of one node whose input 'weight' is a constant initializer (as in a rewritten
-    model), and the feeds of the other inputs."""
+def weight_initializer_session(inputs, schema=gmsq.SCHEMA, **attrs):
+    """A CPU session of one node of ``schema`` (GroupedMatmulSwigluQuant's by default) whose input
+    'weight' is a constant initializer (as in a rewritten model), and the feeds of the other inputs."""
     import onnxruntime as ort
     from onnx import numpy_helper
 
     from ort_ops._lib import session_options
     from ort_ops.ops._schema import single_op_model
 
-    model = single_op_model(gmsq.SCHEMA, inputs, **attrs)
+    model = single_op_model(schema, inputs, **attrs)
     model.graph.initializer.append(numpy_helper.from_array(inputs["weight"], "weight"))
     kept = [i for i in model.graph.input if i.name != "weight"]
     del model.graph.input[:]

@@ -3,7 +3,9 @@
 gate/up weight of every GroupedMatmulSwigluQuant it emits (routed blocks, the com.microsoft MoE
 form and the shared expert) is stored [E, 2I, H] with the node attribute weight_layout="ENK",
 and the model's outputs on CPU are bit-identical to the default ("EKN") rewrite's. Likewise
-``--moe-weight-layout EN16K4``: [E, ceil(2I/16), H/4, 16, 4] (AMX B tiles, ``pack_en16k4``)."""
+``--moe-weight-layout EN16K4``: gate/up [E, ceil(2I/16), H/4, 16, 4] and the GroupedMatmulDequant
+(down) weight [E, ceil(H/16), I/4, 16, 4] (AMX B tiles, ``pack_en16k4``), both nodes with
+weight_layout="EN16K4"; ENK leaves the down weight [E, I, H] with no attribute."""
 
 from __future__ import annotations
 
@@ -33,12 +35,12 @@ def _rewrite(name: str, layout: str) -> onnx.ModelProto:
     return ir.to_proto(model)
 
 
-def _swiglu_weights(model: onnx.ModelProto) -> list[tuple[str | None, np.ndarray]]:
-    """(weight_layout attribute or None, weight initializer) of each GroupedMatmulSwigluQuant."""
+def _swiglu_weights(model: onnx.ModelProto, op: str = "GroupedMatmulSwigluQuant") -> list[tuple[str | None, np.ndarray]]:
+    """(weight_layout attribute or None, weight initializer) of each node ``op``."""
     inits = {t.name: t for t in model.graph.initializer}
     out = []
     for node in model.graph.node:
-        if node.op_type == "GroupedMatmulSwigluQuant":
+        if node.op_type == op:
             attrs = {a.name: a.s.decode() for a in node.attribute if a.name == "weight_layout"}
             out.append((attrs.get("weight_layout"), numpy_helper.to_array(inits[node.input[1]])))
     return out
@@ -60,6 +62,11 @@ def test_enk_rewrite_matches_ekn_bit_for_bit(name, rng):
         assert la is None and lb == "ENK"  # EKN is the op's default: no attribute written
         assert b.shape == (a.shape[0], a.shape[2], a.shape[1])
         np.testing.assert_array_equal(b, a.transpose(0, 2, 1))
+    da, db = _swiglu_weights(ekn, "GroupedMatmulDequant"), _swiglu_weights(enk, "GroupedMatmulDequant")
+    assert len(da) == len(db) == len(wa)
+    for (la, a), (lb, b) in zip(da, db):  # the down weight stays [E, I, H] (the CUDA GMD reads EKN only)
+        assert la is None and lb is None
+        np.testing.assert_array_equal(b, a)
     vocab = 64  # the export script's vocabulary
     for length in (1, 5, 37):  # decode-sized and prompt-sized inputs, fresh random tokens
         ids = rng.integers(3, vocab, length)
@@ -79,6 +86,13 @@ def test_en16k4_rewrite_matches_ekn_bit_for_bit(name, rng, gemm_isa):
         assert la is None and lb == "EN16K4"
         e, h, n = a.shape
         assert b.shape == (e, (n + 15) // 16, h // 4, 16, 4)
+        np.testing.assert_array_equal(b, pack_en16k4(a))
+    da, db = _swiglu_weights(ekn, "GroupedMatmulDequant"), _swiglu_weights(packed, "GroupedMatmulDequant")
+    assert len(da) == len(db) == len(wa)
+    for (la, a), (lb, b) in zip(da, db):  # the down projection [E, I, H] packed too
+        assert la is None and lb == "EN16K4"
+        e, i, h = a.shape
+        assert b.shape == (e, (h + 15) // 16, i // 4, 16, 4)
         np.testing.assert_array_equal(b, pack_en16k4(a))
     vocab = 64
     for length in (1, 5, 37):
@@ -130,3 +144,19 @@ def test_en16k4_keeps_ekn_for_a_hidden_size_not_a_multiple_of_4():
     assert attrs == {} and np.array_equal(w, q)
     w, attrs = _swiglu_weight(np.ones((2, 8, 32), np.int8), "EN16K4")
     assert attrs == {"weight_layout": "EN16K4"} and w.shape == (2, 2, 2, 16, 4)
+
+
+def test_en16k4_keeps_ekn_for_an_intermediate_size_not_a_multiple_of_4():
+    """The down projection [E, I, H] packs I in groups of 4: another I keeps EKN (warned, naming
+    the down weight) while a packable gate/up of the same block is still packed."""
+    from ort_ops.rewrite.moe import _down_weight
+
+    q = (np.arange(2 * 6 * 32) % 255 - 127).astype(np.int8).reshape(2, 6, 32)  # I = 6
+    with pytest.warns(UserWarning, match=r"intermediate size to be a multiple of 4, got 6: this block's down"):
+        w, attrs = _down_weight(q, "EN16K4")
+    assert attrs == {} and np.array_equal(w, q)
+    w, attrs = _down_weight(np.ones((2, 8, 33), np.int8), "EN16K4")
+    assert attrs == {"weight_layout": "EN16K4"} and w.shape == (2, 3, 2, 16, 4)
+    for layout in ("EKN", "ENK"):
+        w, attrs = _down_weight(q, layout)
+        assert attrs == {} and w is q

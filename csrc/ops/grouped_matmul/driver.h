@@ -5,13 +5,16 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "common/tensor.h"
 #include "onnxruntime_cxx_api.h"
 #include "ops/grouped_matmul/cpu.h"
 #include "ops/grouped_matmul/validate.h"
+#include "ops/grouped_matmul_swiglu_quant/weight_layout.h"
 
 namespace ort_ops::grouped_matmul {
 
@@ -40,6 +43,22 @@ Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list
 // The same on inputs already read (a caller that first maps another weight layout to the logical
 // [E, K, N] shape for validation; p.w is the weight's data as given).
 Problem read_problem(const char* op, const Inputs& in, int64_t group_list_type, bool even_n);
+
+using gmsq_layout::WeightLayout;
+struct FreeDeleter {
+  void operator()(int8_t* p) const { std::free(p); }
+};
+using WeightScratch = std::unique_ptr<int8_t[], FreeDeleter>;
+
+// read_problem for a weight stored in `layout` (the attribute weight_layout of both ops,
+// ops/grouped_matmul_swiglu_quant/weight_layout.h): "EKN" is read_problem itself. "ENK" and
+// "EN16K4" are first checked in their own shape and mapped to the logical [E, K, N] (same
+// messages for every other input); then "EN16K4" with kern.panel (AMX) points p.w at the weight
+// as it is (p.w_quads: the panels read it, no per-Run packing), while "ENK" and "EN16K4" without
+// panels transpose / unpack every expert that has rows into `scratch` ([E, K, N], 2 MB pages;
+// unused experts untouched) and point p.w there. even_n: GroupedMatmulSwigluQuant's even N.
+Problem read_problem_layout(const char* op, Ort::KernelContext& ctx, WeightLayout layout, int64_t group_list_type,
+                            bool even_n, const Kernels& kern, WeightScratch& scratch);
 
 // Runs every (expert, row chunk, column tile) task, and for few-row experts every (expert,
 // k block) partial-sum task then one epilogue task per expert, over ORT's pool.

@@ -1,7 +1,11 @@
 // SPDX-License-Identifier: MIT
 // GroupedMatmulDequant on the CPU EP (DESIGN.md "The other MoE ops"; spec:
-// ort_ops/ops/grouped_matmul_dequant.py). Inputs as GroupedMatmulSwigluQuant; output y float32
-// [M, N] = (float(x . W_e) * x_scale[m]) * weight_scale[e, n], zeros past the last group end.
+// ort_ops/ops/grouped_matmul_dequant.py). Inputs and attributes as GroupedMatmulSwigluQuant's
+// (weight_layout "EKN" / "ENK" / "EN16K4", the same shared reading: grouped_matmul::read_problem_layout;
+// N may be odd); output y float32 [M, N] = (float(x . W_e) * x_scale[m]) * weight_scale[e, n],
+// zeros past the last group end. "EN16K4" with AMX: the panels read the weight as it is (with
+// "EKN" they pack it into tile order on every Run, which is what a 16-token decode step is
+// bound by); without AMX each used expert is unpacked to [K, N] per Run.
 #include "ops/grouped_matmul_dequant/op.h"
 
 #include <algorithm>
@@ -21,6 +25,7 @@ class GroupedMatmulDequantCpu final : public KernelImpl {
   explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info)
       : isa_(selected_isa(kOp)),
         group_list_type_(attr_int(info, "group_list_type", 0)),
+        layout_(gmsq_layout::read_weight_layout(kOp, info)),
         kernels_(grouped_matmul::kernels_for(isa_)) {
     if (group_list_type_ != 0 && group_list_type_ != 1)
       fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
@@ -29,7 +34,9 @@ class GroupedMatmulDequantCpu final : public KernelImpl {
   }
 
   void compute(Ort::KernelContext& ctx) override {
-    const grouped_matmul::Problem p = grouped_matmul::read_problem(kOp, ctx, group_list_type_, false);
+    grouped_matmul::WeightScratch weight_ekn;  // "ENK" / "EN16K4" without panels: the used experts in [K, N]
+    const grouped_matmul::Problem p =
+        grouped_matmul::read_problem_layout(kOp, ctx, layout_, group_list_type_, false, kernels_, weight_ekn);
     float* y = make_output<float>(ctx, 0, {p.m, p.n});
     std::fill(y + p.rows_used * p.n, y + p.m * p.n, 0.0f);
     grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kDequant, kernels_, y, p.n);
@@ -38,6 +45,7 @@ class GroupedMatmulDequantCpu final : public KernelImpl {
  private:
   CpuIsa isa_;
   int64_t group_list_type_;
+  gmsq_layout::WeightLayout layout_;
   grouped_matmul::Kernels kernels_;
 };
 

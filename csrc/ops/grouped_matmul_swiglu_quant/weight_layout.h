@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: MIT
-// GroupedMatmulSwigluQuant's attribute weight_layout, shared by the CPU op (op.cc) and the CUDA-EP
-// op (cuda_op_common.h): "EKN" (default) takes weight int8 [E, K, N], the contract's layout;
-// "ENK" takes [E, N, K] (weight[e, n, k] = W_e[k, n], K-major: the Hopper wgmma kernel's B
+// The attribute weight_layout of GroupedMatmulSwigluQuant and GroupedMatmulDequant, shared by the
+// CPU ops (grouped_matmul/driver.cc read_problem_layout) and the CUDA-EP ops (cuda_op_common.h):
+// "EKN" (default) takes weight int8 [E, K, N], the contract's layout; "ENK" takes [E, N, K] (weight[e, n, k] = W_e[k, n], K-major: the Hopper wgmma kernel's B
 // operand, GmsqParams::weight_layout 2); "EN16K4" (CPU only) takes [E, ceil(N/16), K/4, 16, 4]
 // (weight[e, n / 16, k / 4, n % 16, k % 4] = W_e[k, n], zeros for n >= N; K a multiple of 4):
 // per 16-column tile, the k quads of all K in order, so every 1 KB run is an AMX B tile and the
 // AMX panels stream it without packing. Same result every way; spec:
-// ort_ops/ops/grouped_matmul_swiglu_quant.py (weight_ekn, pack_en16k4).
+// ort_ops/ops/_moe.py (weight_ekn, pack_en16k4). GroupedMatmulDequant on the CUDA EP takes "EKN" only.
 #pragma once
 
 #include <string>
