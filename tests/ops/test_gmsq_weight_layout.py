@@ -213,6 +213,21 @@ def test_schema_declares_the_attribute():
     assert attr.kind == "string" and attr.default == "EKN"
 
 
+def skip_without_cuda_ep() -> None:
+    """Skips the test without onnxruntime-gpu, a CUDA build of the library or torch with a GPU."""
+    import onnxruntime as ort
+
+    from ort_ops import build_info
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
+    if not build_info()["cuda"]:
+        pytest.skip("the ort_ops library was built without CUDA")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,e", [(4096, 8), (300, 4), (16, 8)])
 def test_enk_model_on_cuda_ep(rng, m, e):
@@ -223,18 +238,10 @@ def test_enk_model_on_cuda_ep(rng, m, e):
 
     import onnxruntime as ort
 
-    from ort_ops import build_info
     from ort_ops._lib import session_options
     from ort_ops.ops._schema import single_op_model
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
-    if not build_info()["cuda"]:
-        pytest.skip("the ort_ops library was built without CUDA")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU")
-
+    skip_without_cuda_ep()
     inputs = enk(make_inputs(rng, m, 256, 2 * 128, e, codes=(-127, 128)))
     model = single_op_model(gmsq.SCHEMA, inputs, weight_layout="ENK")
     so = session_options()
