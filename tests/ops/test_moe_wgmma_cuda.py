@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: MIT
-"""GroupedMatmulSwigluQuant's Hopper wgmma kernel (weight_layout 2, [E, N, K]) against
+"""GroupedMatmulSwigluQuant's Hopper wgmma kernels (weight_layout 2, [E, N, K]) against
 ort_ops.reference: codes and scales bit for bit, error word, zeros past the last group.
 
-The kernel (csrc/ops/grouped_matmul_swiglu_quant/cuda_wgmma.cu) exists for compute capability 9.x
+The kernels (csrc/ops/grouped_matmul_swiglu_quant/cuda_wgmma.cu) exist for compute capability 9.x
 only (sm_90a); these tests skip without a GPU, without a CUDA build, or on another GPU.
 
 Alphabet: M rows, K reduction, N GEMM columns (N/2 outputs), E experts.
@@ -144,6 +144,19 @@ def test_gmsq_wgmma_division_ranges(torch_sm90, rng):
     xs[::7] *= 50.0      # |C| up to ~1000: many C < -44 (1 + exp(-C) above 2^64)
     xs[3::7] *= 1e-12    # |C| ~ 1e-11: below 2^-32
     xs[5] = 2.0e9        # |C| above 2^32
+    got, err = _run_wgmma(torch_sm90, x, w, ws, xs, gl)
+    assert err == 0
+    _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
+
+
+@pytest.mark.cuda
+def test_gmsq_wgmma_wide_outputs(torch_sm90, rng):
+    """N/2 one 64-column tile past what the ping-pong kernel's grid holds (64 x SM count, each
+    row block's column tiles co-resident): the launcher takes the cooperative 128-column kernel
+    instead; bit-exact, empty expert included."""
+    sms = torch_sm90.cuda.get_device_properties(0).multi_processor_count
+    half = 64 * (sms + 1)  # <= 128 x SM count: the cooperative kernel's limit
+    x, w, ws, xs, gl = _problem(rng, 150, 32, 2 * half, [60, 0, 90])
     got, err = _run_wgmma(torch_sm90, x, w, ws, xs, gl)
     assert err == 0
     _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))

@@ -672,15 +672,19 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
 
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
   // weight_layout 2 ([E, N, K], K-major): the Hopper wgmma kernel (cuda_wgmma.cu) for bm128
-  // (auto: more than 96 rows an expert on average), else this kernel's K-major B path. Off
-  // Hopper the wgmma kernel refuses before enqueuing anything, and bm64 (this kernel's largest
-  // K-major tile) serves every M instead, so an 'ENK' model runs on any sm_80+ GPU.
+  // (auto: at least 32 rows an expert on average), else this kernel's K-major B path. The
+  // threshold is the H200's same-run table (NOTES_moe_cuda.md, helper I): the ping-pong wgmma
+  // kernel beats bm16w at 32 rows an expert (64e T=256: 161 vs 197 us) and ties bm64 at 64
+  // (8e T=256: 36.9 vs 36.2 us); bm16w wins at 2-4 rows (T=16). Off Hopper the wgmma kernel
+  // refuses before enqueuing anything and the layout-0 rule picks this kernel's config instead
+  // (bm64, its largest K-major tile, above 32 rows), so an 'ENK' model runs on any sm_80+ GPU.
   if (p.weight_layout == kGmsqLayoutKMajor &&
-      (p.config == kGmsqBm128 || (p.config == kGmsqAuto && auto_config(p.m, p.e) == kGmsqBm128))) {
+      (p.config == kGmsqBm128 || (p.config == kGmsqAuto && p.e > 0 && p.m / p.e >= 32))) {
     const cudaError_t err = launch_gmsq_wgmma(p, stream);
     if (err != cudaErrorNotSupported) return err;
     GmsqParams q = p;
-    q.config = kGmsqBm64;
+    q.config = p.config == kGmsqAuto && auto_config(p.m, p.e) != kGmsqBm128 ? auto_config(p.m, p.e)
+                                                                              : kGmsqBm64;
     return launch_mode<kSwiglu>(q, stream);
   }
   return launch_mode<kSwiglu>(p, stream);

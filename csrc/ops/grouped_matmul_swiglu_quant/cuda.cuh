@@ -62,7 +62,8 @@ struct GmsqParams {
   // zero-padded past N/2 (ort_ops._cuda_kernels.pack_weight). Configs bm16w, bm64, bm128 only.
   // 2: [E, N, K] (K-major; launch_gmsq only): config bm128 is the Hopper wgmma kernel
   // (cuda_wgmma.cuh), bm16 / bm16w / bm32 / bm64 this kernel with ldmatrix B reads; auto picks
-  // bm16w / bm64 up to 96 rows an expert on average, wgmma above.
+  // bm16w below 32 rows an expert on average, wgmma from 32 on (off Hopper: the layout-0 rule
+  // with bm64 for bm128).
   int weight_layout = 0;
 };
 constexpr int kGmsqPackedCols = 128;

@@ -2,25 +2,33 @@
 // GroupedMatmulSwigluQuant on Hopper: wgmma (sm_90a) with TMA loads and an mbarrier pipeline.
 // Same op, same outputs bit for bit as the mma.sync kernel (cuda.cu); spec ort_ops/ops/_moe.py.
 //
-// Tile: 128 rows of one expert x 128 output columns = 256 GEMM columns (128 gate | 128 up).
-// CTA: 3 warpgroups. Warpgroup 0 is the producer: one thread issues the TMA loads of each
-// 128-deep k step (A [128 rows, 128 k], B gate [128 n, 128 k], B up [128 n, 128 k], 48 KB, all
-// with the 128-byte swizzle) into a 4-stage ring guarded by full/empty mbarriers. Warpgroups 1
-// and 2 are consumers: each issues wgmma.m64n256k32 on its 64 rows (4 per k step) with the
-// int32 accumulators in registers (128 a thread), releasing a stage once the wgmma group that
-// read it retired.
+// Two schedules of the same tiles (one 128-deep k step = 128-byte swizzled TMA boxes of A rows
+// and of B gate / up rows, K-major; one producer thread in warpgroup 0 fills an mbarrier ring;
+// int32 accumulators in registers, 128 a consumer thread):
+//
+// Ping-pong (gmsq_wgmma_pp_kernel, the one launched while ceil(N/2 / 64) <= SM count): each of
+// the two consumer warpgroups owns a tile of 128 rows x 64 outputs (two wgmma.m64n128k32 per
+// 32 k, 32 KB a k step, 6 stages) and they take the CTA's row blocks in turn, their main loops
+// strictly alternating (an order mbarrier each), so one warpgroup's epilogue (SwiGLU, row max,
+// handshake, codes) runs while the other's wgmmas keep the tensor pipe busy. H200, same run:
+// 8e T=4096 160 -> 153 us, 64e T=4096 631-658 -> 592-606 us, T=256 -16 to -18 %.
+//
+// Cooperative (gmsq_wgmma_kernel, wider outputs): tile 128 rows x 128 outputs = 256 GEMM columns
+// (128 gate | 128 up); warpgroups 1 and 2 each issue wgmma.m64n256k32 on 64 rows of the same
+// tile (48 KB a k step, 4 stages) and run the epilogue together while no wgmma is in flight.
 //
 // Accumulator layout (m64nNk32, s32): thread (warp w of the warpgroup, g = lane / 4,
 // t = lane % 4) holds d[4j + r] = row 16w + g + 8 (r >> 1), column 8j + 2t + (r & 1). Gate
-// column c and up column c are n-columns c and 128 + c, i.e. d[i] and d[64 + i] of the same
-// thread, so SwiGLU pairs are in one thread's registers and a row's 128 outputs of the tile are
-// spread over the 4 threads t of one quad (row max: two shuffles).
+// column c and up column c are n-columns c and N/2 + c of the instruction (N = 256: d[i] and
+// d[64 + i]; N = 128: d[i] and d[32 + i]) of the same thread, so SwiGLU pairs are in one
+// thread's registers and a row's outputs of the tile are spread over the 4 threads t of one
+// quad (row max: two shuffles).
 //
 // Row max across the N/2 outputs: as in cuda.cu, a persistent cooperative grid in which the
-// C = ceil(N/2 / 128) column tiles of a row block run on C co-resident CTAs of one slot group;
-// each publishes its partial row max with atomicMax, arrives on the row block's counter, waits
-// for the C arrivals, then quantizes from registers. The producer keeps prefetching the next
-// tile's k steps meanwhile.
+// C column tiles of a row block run on C co-resident CTAs of one slot group; each publishes its
+// partial row max with atomicMax, arrives on the row block's counter, waits for the C arrivals,
+// then quantizes from registers. The producer keeps prefetching the next tile's k steps
+// meanwhile.
 #include "ops/grouped_matmul_swiglu_quant/cuda_wgmma.cuh"
 
 #include <cuda.h>
@@ -165,7 +173,8 @@ __device__ __forceinline__ int quant_code_rn(float s, float inv) {
 __device__ __forceinline__ float dequant(uint32_t acc, float xs, float2 w, int r) {
   return __fmul_rn(__fmul_rn(__int2float_rn(static_cast<int>(acc)), xs), (r & 1) ? w.y : w.x);
 }
-__device__ __forceinline__ float gate_value(const uint32_t (&acc)[128], int j, int r, float xs,
+template <int NA>
+__device__ __forceinline__ float gate_value(const uint32_t (&acc)[NA], int j, int r, float xs,
                                             float2 w) {
   return dequant(acc[4 * j + r], xs, w, r);
 }
@@ -175,13 +184,14 @@ __device__ __forceinline__ float gate_value(const uint32_t (&acc)[128], int j, i
 // iff C_gate, C_up and S all are (an Inf or NaN operand makes S Inf or NaN: exp_f32 clamps, and
 // 0 * Inf is NaN), so one test of S per element suffices: fmaf(S, 0, chk) turns chk into NaN
 // at the first non-finite S of the row.
-template <bool FAST>
-__device__ __forceinline__ void swiglu_tile(uint32_t (&acc)[128], const float* wsr, int col0,
+// NJ n8 column groups of gate accumulators (acc[0, 4 NJ)), then the matching up ones.
+template <bool FAST, int NJ = 16>
+__device__ __forceinline__ void swiglu_tile(uint32_t (&acc)[8 * NJ], const float* wsr, int col0,
                                             int half, int t, float xs0, float xs1, bool ok0,
                                             bool ok1, float& m0, float& m1, bool& nonfinite) {
   float chk0 = 0.0f, chk1 = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < NJ; ++j) {
     const int col = col0 + 8 * j + 2 * t;
     if (col0 + 8 * j < half) {  // half % 16 == 0: the 8 columns of j are all in or all out
       const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col));
@@ -191,7 +201,7 @@ __device__ __forceinline__ void swiglu_tile(uint32_t (&acc)[128], const float* w
         const bool hi = r >> 1;
         const float xs = hi ? xs1 : xs0;
         const float ca = dequant(acc[4 * j + r], xs, wa, r);
-        const float cg = dequant(acc[64 + 4 * j + r], xs, wgt, r);
+        const float cg = dequant(acc[4 * NJ + 4 * j + r], xs, wgt, r);
         float v;
         if constexpr (FAST)
           v = __fmul_rn(div_rn_fast(ca, __fadd_rn(1.0f, epi::exp_f32(-ca))), cg);
@@ -249,6 +259,78 @@ __device__ __forceinline__ void wgmma_m64n256k32_s8(uint32_t (&d)[128], uint64_t
         "+r"(d[120]), "+r"(d[121]), "+r"(d[122]), "+r"(d[123]), "+r"(d[124]), "+r"(d[125]), "+r"(d[126]), "+r"(d[127])
       : "l"(da), "l"(db), "r"(scale_d));
 }
+
+__device__ __forceinline__ void wgmma_m64n128k32_s8(uint32_t (&d)[64], uint64_t da, uint64_t db,
+                                                    uint32_t scale_d) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p;\n"
+      "}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+        "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+        "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]),
+        "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]),
+        "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]),
+        "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]),
+        "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]),
+        "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// The CTA's start in both kernels: y_offset zeroed (grid-stride over `threads` a CTA), the tile
+// map of bm-row blocks in shared memory (warp 0), the ring's S full barriers (count 1: the
+// producer's expect_tx arrival) and S empty barriers (count `releases`) from full_bar on, X more
+// barriers of count 1 after them, the tensor maps prefetched; ends with a CTA barrier.
+template <int S, int X>
+__device__ __forceinline__ void cta_start(const GmsqParams& p, const WgScratch& ws, int threads,
+                                          int bm, uint32_t full_bar, int releases,
+                                          const CUtensorMap* map_x, const CUtensorMap* map_w,
+                                          int* ends_s, int* blk_s) {
+  const int tid = threadIdx.x;
+  const int M = static_cast<int>(p.m);
+  for (int i = blockIdx.x * threads + tid; i < M; i += gridDim.x * threads) p.y_offset[i] = 0.0f;
+  if ((tid >> 5) == 0)
+    epi::build_tile_map(p.group_list, p.group_list_type, M, static_cast<int>(p.e), bm, tid & 31,
+                        ends_s, blk_s, ws.err);
+  if (tid == 32) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(full_bar + 8 * (S + s), releases);
+    }
+    for (int x = 0; x < X; ++x) mbar_init(full_bar + 8 * (2 * S + x), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map_x)) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map_w)) : "memory");
+  }
+  __syncthreads();
+}
+
+// Codes of global row grow of a tile, 2 per n8 group j < NJ (S values s[4 j + 2 hi] and
+// s[4 j + 2 hi + 1]: columns col0 + 8 j + 2 t and + 1), with the row's final max; the row's
+// scale from column tile 0.
+template <int NJ, int NA>
+__device__ __forceinline__ void row_codes(const uint32_t (&s)[NA], int hi, const GmsqParams& p,
+                                          const WgScratch& ws, int grow, int col0, int half,
+                                          int t, int ct) {
+  const float amax = __ldcg(ws.amax + grow);
+  const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  int8_t* yr = p.y + static_cast<int64_t>(grow) * half + col0 + 2 * t;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    if (col0 + 8 * j < half) {
+      const uint32_t c0 =
+          static_cast<uint32_t>(quant_code_rn(__uint_as_float(s[4 * j + 2 * hi]), inv)) & 0xffu;
+      const uint32_t c1 =
+          static_cast<uint32_t>(quant_code_rn(__uint_as_float(s[4 * j + 2 * hi + 1]), inv)) & 0xffu;
+      *reinterpret_cast<uint16_t*>(yr + 8 * j) = static_cast<uint16_t>(c0 | (c1 << 8));
+    }
+  }
+  if (ct == 0 && t == 0) p.y_scale[grow] = __fdiv_rn(amax, 127.0f);
+}
 #endif  // ORT_OPS_WGMMA_OK
 
 __global__ void __launch_bounds__(WgCfg::kThreads, 1)
@@ -285,20 +367,8 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
   const int half = N / 2;
   const int E = static_cast<int>(p.e);
 
-  for (int i = blockIdx.x * kWgThreads + tid; i < M; i += gridDim.x * kWgThreads)
-    p.y_offset[i] = 0.0f;
-  if (warp == 0)
-    epi::build_tile_map(p.group_list, p.group_list_type, M, E, kWgBM, lane, ends_s, blk_s, ws.err);
-  if (tid == 32) {
-    for (int s = 0; s < kWgStages; ++s) {
-      mbar_init(full_bar + 8 * s, 1);   // the producer's expect_tx arrival (+ the TMA bytes)
-      mbar_init(empty_bar + 8 * s, CWG);  // one arrival per consumer warpgroup
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_x)) : "memory");
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_w)) : "memory");
-  }
-  __syncthreads();
+  // Empty barriers: one arrival per consumer warpgroup.
+  cta_start<kWgStages, 0>(p, ws, kWgThreads, kWgBM, full_bar, CWG, &map_x, &map_w, ends_s, blk_s);
   const int total_blocks = blk_s[E];
   const int rows_end = ends_s[E];
   const int slots = gridDim.x / col_tiles;
@@ -419,30 +489,220 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
 
       // ---- quantize with the rows' final max; 2 codes per (row, j) ----
 #pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        const int r = rl + 8 * hi;
-        if (hi ? ok1 : ok0) {
-          const float amax = __ldcg(ws.amax + row0 + r);
-          const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
-          int8_t* yr = p.y + static_cast<int64_t>(row0 + r) * half + col0 + 2 * t;
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            if (col0 + 8 * j < half) {
-              const uint32_t c0 = static_cast<uint32_t>(
-                  quant_code_rn(__uint_as_float(acc[4 * j + 2 * hi]), inv)) & 0xffu;
-              const uint32_t c1 = static_cast<uint32_t>(
-                  quant_code_rn(__uint_as_float(acc[4 * j + 2 * hi + 1]), inv)) & 0xffu;
-              *reinterpret_cast<uint16_t*>(yr + 8 * j) = static_cast<uint16_t>(c0 | (c1 << 8));
-            }
-          }
-          if (ct == 0 && t == 0) p.y_scale[row0 + r] = __fdiv_rn(amax, 127.0f);
-        }
-      }
+      for (int hi = 0; hi < 2; ++hi)
+        if (hi ? ok1 : ok0) row_codes<16>(acc, hi, p, ws, row0 + rl + 8 * hi, col0, half, t, ct);
     }
   }
   epi::zero_tail_rows(p.y, p.y_scale, M, half, rows_end,
                       static_cast<int64_t>(blockIdx.x) * kWgThreads + tid,
                       static_cast<int64_t>(gridDim.x) * kWgThreads);
+#else
+  __trap();  // built for sm_90a only; the launcher refuses other devices
+#endif
+}
+
+// ---- ping-pong schedule ---------------------------------------------------------------------
+// Each consumer warpgroup owns its own tile, 128 rows x 64 outputs (64 gate | 64 up GEMM columns,
+// two m64n128k32 accumulator sets of 64 registers), and the two warpgroups take the CTA's row
+// blocks in turn (tile j of the CTA's sequence goes to warpgroup j % 2). The producer loads the
+// tiles' k steps in sequence order into one ring, so warpgroup 1's main loop starts while
+// warpgroup 0 finishes its own, and one warpgroup's epilogue (SwiGLU, row max, handshake,
+// codes) runs while the other's wgmmas keep the tensor pipe busy. Same math, same handshake
+// (one arrival per (row block, column tile)), so the same bits as the cooperative kernel above.
+struct WgPPCfg {
+  static constexpr int kBM = 128;                      // rows of a warpgroup's tile
+  static constexpr int kBNh = 64;                      // output columns of a tile
+  static constexpr int kBK = 128;
+  static constexpr int kStages = 6;
+  static constexpr int kThreads = 384;                 // producer + 2 consumer warpgroups
+  static constexpr int kATile = kBM * kBK;             // A [128 rows][128 k]
+  static constexpr int kBHalf = kBNh * kBK;            // B gate or up [64 n][128 k]
+  static constexpr int kStageBytes = kATile + 2 * kBHalf;
+  static constexpr int kPipeBytes = kStages * kStageBytes;
+  static constexpr int kBarBytes = 2 * kStages * 8 + 2 * 8;  // full, empty, order barriers
+  static constexpr int kSmem = 1024 + kPipeBytes + kBarBytes + 8 * (kGmsqMaxExperts + 1);
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kSmem <= 227 * 1024, "shared memory per CTA");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 65536, "register file");
+  static_assert(kBK == WgCfg::kBK, "encode_map's box depth");
+};
+
+#ifdef ORT_OPS_WGMMA_OK
+template <int ID>
+__device__ __forceinline__ void named_bar_128() {
+  asm volatile("bar.sync %0, 128;\n" ::"n"(ID) : "memory");
+}
+#endif
+
+__global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
+    gmsq_wgmma_pp_kernel(const __grid_constant__ CUtensorMap map_x,
+                         const __grid_constant__ CUtensorMap map_w, const GmsqParams p,
+                         const WgScratch ws, const int col_tiles) {
+#ifdef ORT_OPS_WGMMA_OK
+  using C = WgPPCfg;
+  constexpr int BK = C::kBK;
+  constexpr int BM = C::kBM;
+  constexpr int BNh = C::kBNh;
+  constexpr int S = C::kStages;
+  constexpr int kATile = C::kATile;
+  constexpr int kBHalf = C::kBHalf;
+  constexpr int kStageBytes = C::kStageBytes;
+  constexpr int kPipeBytes = C::kPipeBytes;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t pipe = smem_u32(smem);
+  const uint32_t full_bar = pipe + kPipeBytes;   // S mbarriers
+  const uint32_t empty_bar = full_bar + 8 * S;   // S mbarriers
+  // order_bar + 8 c: warpgroup c may start its next main loop (the other one issued its last
+  // k step). The main loops alternate strictly, so a warpgroup never waits on a full barrier
+  // whose previous phase is still pending (a phase parity names only the last two phases).
+  const uint32_t order_bar = empty_bar + 8 * S;
+  int* ends_s = reinterpret_cast<int*>(smem + kPipeBytes + C::kBarBytes);  // [E + 1]
+  int* blk_s = ends_s + (kGmsqMaxExperts + 1);                             // [E + 1]
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int M = static_cast<int>(p.m);
+  const int K = static_cast<int>(p.k);
+  const int N = static_cast<int>(p.n);
+  const int half = N / 2;
+  const int E = static_cast<int>(p.e);
+
+  // Empty barriers: the consuming warpgroup's release; then the two order barriers.
+  cta_start<S, 2>(p, ws, C::kThreads, BM, full_bar, 1, &map_x, &map_w, ends_s, blk_s);
+  const int total_blocks = blk_s[E];
+  const int rows_end = ends_s[E];
+  const int slots = gridDim.x / col_tiles;
+  const int slot = blockIdx.x / col_tiles;
+  const int ct = blockIdx.x % col_tiles;
+  const int col0 = ct * BNh;
+  const int KT = (K + BK - 1) / BK;
+  const int wg = warp / 4;
+
+  if (wg == 0) {
+    // ---- producer: the k steps of the CTA's tiles j = 0, 1, ... (row block slot + j slots) ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::kProducerRegs) : "memory");
+    if (tid == 0) {
+      int ld = 0;
+      for (int rb = slot; rb < total_blocks; rb += slots) {
+        const int e = epi::expert_of_block(blk_s, E, rb);
+        const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
+        const int wrow = e * N + col0;  // gate rows; up rows start at wrow + half
+        for (int kt = 0; kt < KT; ++kt, ++ld) {
+          const int s = ld % S;
+          mbar_wait(empty_bar + 8 * s, ((ld / S) & 1) ^ 1);
+          const uint32_t fb = full_bar + 8 * s;
+          mbar_expect_tx(fb, kStageBytes);
+          const uint32_t st = pipe + s * kStageBytes;
+          tma_load_2d(st, &map_x, kt * BK, row0, fb);
+          tma_load_2d(st + kATile, &map_w, kt * BK, wrow, fb);
+          tma_load_2d(st + kATile + kBHalf, &map_w, kt * BK, wrow + half, fb);
+        }
+      }
+    }
+  } else {
+    // ---- consumers: warpgroup cw takes tiles j = cw, cw + 2, ... ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::kConsumerRegs) : "memory");
+    const int cw = wg - 1;
+    const int wq = warp & 3;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const bool leader = (tid & 127) == 0;
+    for (int j = cw;; j += 2) {
+      const int rb = slot + j * slots;
+      if (rb >= total_blocks) break;
+      const int e = epi::expert_of_block(blk_s, E, rb);
+      const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
+      const int rows = min(BM, ends_s[e + 1] - row0);
+
+      uint32_t acc0[64], acc1[64];  // rows 0-63 and 64-127 of the tile
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0;
+      // Tile j - 1 (the other warpgroup's) issued its last k step: ring positions below
+      // j KT have all been waited for, so the parities below name this tile's phases.
+      if (j > 0) mbar_wait(order_bar + 8 * cw, ((j - 1) / 2) & 1);
+      int it = j * KT;  // ring position of this tile's first k step
+      for (int kt = 0; kt < KT; ++kt, ++it) {
+        const int s = it % S;
+        mbar_wait(full_bar + 8 * s, (it / S) & 1);
+        const uint32_t a0 = pipe + s * kStageBytes;
+        const uint32_t b0 = a0 + kATile;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 32; ++kk) {
+          wgmma_m64n128k32_s8(acc0, sw128_desc(a0 + 32 * kk), sw128_desc(b0 + 32 * kk), 1u);
+          wgmma_m64n128k32_s8(acc1, sw128_desc(a0 + 64 * BK + 32 * kk), sw128_desc(b0 + 32 * kk), 1u);
+        }
+        wgmma_commit();
+        if (kt == KT - 1 && leader) mbar_arrive(order_bar + 8 * (1 - cw));
+        wgmma_wait<1>();  // the previous k step's group retired: release its stage
+        if (kt > 0 && leader) mbar_arrive(empty_bar + 8 * ((it + S - 1) % S));
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        reg_fence(acc0[i]);
+        reg_fence(acc1[i]);
+      }
+      if (leader) mbar_arrive(empty_bar + 8 * ((it + S - 1) % S));
+
+      // ---- epilogue (the other warpgroup's wgmmas run meanwhile) ----
+      const int rl = wq * 16 + g;  // rows rl, rl + 8 (acc0) and 64 + rl, 72 + rl (acc1)
+      const bool ok00 = rl < rows, ok01 = rl + 8 < rows, ok10 = rl + 64 < rows, ok11 = rl + 72 < rows;
+      const float xs00 = ok00 ? p.x_scale[row0 + rl] : 0.0f;
+      const float xs01 = ok01 ? p.x_scale[row0 + rl + 8] : 0.0f;
+      const float xs10 = ok10 ? p.x_scale[row0 + rl + 64] : 0.0f;
+      const float xs11 = ok11 ? p.x_scale[row0 + rl + 72] : 0.0f;
+      const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
+      float m00 = 0.0f, m01 = 0.0f, m10 = 0.0f, m11 = 0.0f;
+      bool nonfinite = false;
+      bool fast = true;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        if (col0 + 8 * jj < half) {
+          const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col0 + 8 * jj + 2 * t));
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            fast = fast && div_fast_ok(gate_value(acc0, jj, r, r >> 1 ? xs01 : xs00, wa));
+            fast = fast && div_fast_ok(gate_value(acc1, jj, r, r >> 1 ? xs11 : xs10, wa));
+          }
+        }
+      }
+      if (fast) {
+        swiglu_tile<true, 8>(acc0, wsr, col0, half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
+        swiglu_tile<true, 8>(acc1, wsr, col0, half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
+      } else {
+        swiglu_tile<false, 8>(acc0, wsr, col0, half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
+        swiglu_tile<false, 8>(acc1, wsr, col0, half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
+      }
+      if (nonfinite) atomicOr(ws.err, kErrNonFinite);
+      float mx[4] = {m00, m01, m10, m11};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 1));
+        mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 2));
+        const int r = rl + (q & 1) * 8 + (q >> 1) * 64;
+        if (t == 0 && r < rows && mx[q] > 0.0f)
+          atomicMax(reinterpret_cast<int*>(ws.amax) + row0 + r, __float_as_int(mx[q]));
+      }
+      __threadfence();
+      if (cw == 0) named_bar_128<2>(); else named_bar_128<3>();
+      if (leader) epi::arrive_and_wait(ws.counters + rb, col_tiles);
+      if (cw == 0) named_bar_128<2>(); else named_bar_128<3>();
+
+      // ---- codes with the rows' final max; 2 codes per (row, jj) ----
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = rl + (q & 1) * 8 + (q >> 1) * 64;
+        if (r < rows) row_codes<8>((q >> 1) ? acc1 : acc0, q & 1, p, ws, row0 + r, col0, half, t, ct);
+      }
+    }
+  }
+  epi::zero_tail_rows(p.y, p.y_scale, M, half, rows_end,
+                      static_cast<int64_t>(blockIdx.x) * C::kThreads + tid,
+                      static_cast<int64_t>(gridDim.x) * C::kThreads);
 #else
   __trap();  // built for sm_90a only; the launcher refuses other devices
 #endif
@@ -480,19 +740,19 @@ bool encode_map(CUtensorMap* map, const void* base, int64_t rows, int64_t k, int
 
 size_t align16(size_t v) { return (v + 15) / 16 * 16; }
 
-cudaError_t launch_tiles(const GmsqParams& p, int device, cudaStream_t stream) {
-  using C = WgCfg;
-  auto kernel = gmsq_wgmma_kernel;
+// Both schedules: C the tile config (WgCfg: cooperative 128 x 128 tiles; WgPPCfg: ping-pong
+// 128 x 64 tiles a warpgroup), `kernel` its kernel, bnh its output columns a tile.
+template <class C>
+cudaError_t launch_kernel(void (*kernel)(CUtensorMap, CUtensorMap, GmsqParams, WgScratch, int),
+                          int bnh, int bn_box, const GmsqParams& p, int sms, cudaStream_t stream) {
   // One CTA per SM (the ring takes most of the shared memory): co-resident = SM count.
   static_assert(2 * C::kSmem > 228 * 1024, "one CTA per SM");
-  int sms = 0;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   CUtensorMap map_x, map_w;
   if (!encode_map(&map_x, p.x, p.m, p.k, C::kBM) ||
-      !encode_map(&map_w, p.weight, p.e * p.n, p.k, kWgBNh))
+      !encode_map(&map_w, p.weight, p.e * p.n, p.k, bn_box))
     return cudaErrorInvalidValue;
   WgScratch s;
   s.err = static_cast<int*>(p.workspace);
@@ -506,12 +766,24 @@ cudaError_t launch_tiles(const GmsqParams& p, int device, cudaStream_t stream) {
       16 + align16(4 * static_cast<size_t>(p.m)) + align16(4 * static_cast<size_t>(max_blocks));
   err = cudaMemsetAsync(p.workspace, 0, zeroed, stream);
   if (err != cudaSuccess) return err;
-  const int col_tiles = static_cast<int>((p.n / 2 + kWgBNh - 1) / kWgBNh);
+  const int col_tiles = static_cast<int>((p.n / 2 + bnh - 1) / bnh);
   const int64_t slots = std::min<int64_t>(sms / col_tiles, max_blocks);
   if (slots < 1) return cudaErrorCooperativeLaunchTooLarge;  // N/2 needs more co-resident CTAs
   const epi::CooperativeLaunch launch(static_cast<unsigned>(slots * col_tiles), C::kThreads,
                                       C::kSmem, stream);
   return cudaLaunchKernelEx(&launch.cfg, kernel, map_x, map_w, p, s, col_tiles);
+}
+
+cudaError_t launch_tiles(const GmsqParams& p, int device, cudaStream_t stream) {
+  int sms = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  // The ping-pong kernel needs ceil(N/2 / 64) co-resident CTAs for a row block's row max; wider
+  // outputs (N/2 > 64 SMs: 8448 on an H200, e.g. an intermediate size of 14336) take the
+  // cooperative kernel's 128-column tiles (up to 128 SMs of outputs).
+  if ((p.n / 2 + WgPPCfg::kBNh - 1) / WgPPCfg::kBNh <= sms)
+    return launch_kernel<WgPPCfg>(gmsq_wgmma_pp_kernel, WgPPCfg::kBNh, WgPPCfg::kBNh, p, sms, stream);
+  return launch_kernel<WgCfg>(gmsq_wgmma_kernel, kWgBNh, kWgBNh, p, sms, stream);
 }
 
 }  // namespace
