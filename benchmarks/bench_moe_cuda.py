@@ -113,11 +113,14 @@ def main(argv=None):
     ap.add_argument("--experts", default="8x2,64x8", help="E x top-k list")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=1408)
-    ap.add_argument("--configs", default="auto", help="kernel tile configs to time: auto,bm16,bm64,bm128")
+    ap.add_argument("--configs", default="auto",
+                    help="kernel tile configs to time (weight [E, K, N]): auto,bm16,bm64,bm128; '' for none")
     ap.add_argument("--wg-configs", default="auto,bm128",
                     help="weight layout 2 ([E, N, K], sm_90 only) configs to time (bm128: the wgmma "
                          "kernel; auto: by rows per expert); '' for none")
     ap.add_argument("--no-packed", action="store_true", help="skip the packed-B (layout 1) row")
+    ap.add_argument("--no-floor", action="store_true", help="skip the empty-launch (floor) row")
+    ap.add_argument("--no-peers", action="store_true", help="skip the torch bf16 and fp8 peers")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--flush", choices=["read", "write"], default="read",
@@ -174,9 +177,10 @@ def main(argv=None):
             label = f"{e}e top{topk} T={t}"
 
             results = {}
-            for cfg in args.configs.split(","):
+            configs = [c for c in args.configs.split(",") if c]
+            for cfg in configs:
                 runner = GmsqRunner(x_d, w_d, ws_d, xs_d, gl_d, config=cfg)
-                if not args.no_check and cfg == args.configs.split(",")[0]:
+                if not args.no_check and cfg == configs[0]:
                     err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
                     print(f"{label}: check vs reference ({cfg}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)
@@ -192,8 +196,9 @@ def main(argv=None):
             if not args.no_packed:
                 packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
                 results["ours[auto] packed B"] = time_graph(torch, packed.launch, args.iters, flush)
-            floor = GmsqRunner(x_d, w_d, ws_d, xs_d, torch.zeros_like(gl_d))
-            results["ours floor (no rows)"] = time_graph(torch, floor.launch, args.iters, flush)
+            if not args.no_floor:
+                floor = GmsqRunner(x_d, w_d, ws_d, xs_d, torch.zeros_like(gl_d))
+                results["ours floor (no rows)"] = time_graph(torch, floor.launch, args.iters, flush)
 
             x_bf16 = (x_d.float() * xs_d[:, None]).to(torch.bfloat16)
 
@@ -205,24 +210,25 @@ def main(argv=None):
                 q = torch.round(s * (127.0 / amax)).clamp_(-127, 127).to(torch.int8)
                 return q, (amax / 127.0).squeeze(1)
 
-            try:
-                results["bf16 grouped_mm+swiglu+quant"] = time_graph(torch, bf16_peer, args.iters, flush)
-            except Exception as ex:  # noqa: BLE001
-                print(f"{label}: bf16 peer failed: {type(ex).__name__}: {ex}")
-            if w_fp8 is not None:
-                x_fp8 = x_bf16.to(torch.float8_e4m3fn)
-                sa = torch.ones(m, dtype=torch.float32, device=dev)
-
-                def fp8_peer(x_fp8=x_fp8, w_fp8=w_fp8, sa=sa, wsc_fp8=wsc_fp8, offs=offs):
-                    return torch._scaled_grouped_mm(x_fp8, w_fp8, sa, wsc_fp8, offs=offs,
-                                                    out_dtype=torch.bfloat16)
-
+            if not args.no_peers:
                 try:
-                    results["fp8 scaled_grouped_mm (GEMM only)"] = time_graph(torch, fp8_peer, args.iters, flush)
+                    results["bf16 grouped_mm+swiglu+quant"] = time_graph(torch, bf16_peer, args.iters, flush)
                 except Exception as ex:  # noqa: BLE001
-                    print(f"{label}: fp8 peer failed: {type(ex).__name__}: {str(ex)[:300]}")
-            else:
-                print(f"{label}: fp8 peer unavailable: {fp8_reason}")
+                    print(f"{label}: bf16 peer failed: {type(ex).__name__}: {ex}")
+                if w_fp8 is not None:
+                    x_fp8 = x_bf16.to(torch.float8_e4m3fn)
+                    sa = torch.ones(m, dtype=torch.float32, device=dev)
+
+                    def fp8_peer(x_fp8=x_fp8, w_fp8=w_fp8, sa=sa, wsc_fp8=wsc_fp8, offs=offs):
+                        return torch._scaled_grouped_mm(x_fp8, w_fp8, sa, wsc_fp8, offs=offs,
+                                                        out_dtype=torch.bfloat16)
+
+                    try:
+                        results["fp8 scaled_grouped_mm (GEMM only)"] = time_graph(torch, fp8_peer, args.iters, flush)
+                    except Exception as ex:  # noqa: BLE001
+                        print(f"{label}: fp8 peer failed: {type(ex).__name__}: {str(ex)[:300]}")
+                else:
+                    print(f"{label}: fp8 peer unavailable: {fp8_reason}")
 
             base = results.get("bf16 grouped_mm+swiglu+quant", (float("nan"),))[0]
             for name, (med, p90) in results.items():
