@@ -94,12 +94,15 @@ struct Cfg {
 };
 static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= 233472, "three decode CTAs per SM (D 128, int8 P.V)");
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+// 16-byte cp.async to a shared-memory address already converted (the warp decode loop keeps them).
+__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* gmem, bool valid) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
 #endif
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16_s(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -157,6 +160,13 @@ __device__ __forceinline__ void s8x4_to_half2x2(uint32_t x, uint32_t& lo, uint32
   lo = *reinterpret_cast<uint32_t*>(&lh);
   hi = *reinterpret_cast<uint32_t*>(&hh);
 }
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx.ftz (what __expf uses)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLazyLog2 = 8.0f;  // decode_warp_kernel: rescale O and l when a max grows by > 2^8
 
 __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of one g (t = 0..3)
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -703,10 +713,10 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
 // pv none: the same with W / max in fp16 on two m16n8k16 per stage (keys 8t..8t+3, 8t+4..8t+7).
 // Measured alternatives (H200, 32/16k, block 64): 64-key stages with 2 warps per CTA (each V row
 // of a block read in one piece) 372 us against 298 (half the warps per SM hide less latency).
-template <int D>
+template <int D, int DW_, int NS_>
 struct WCfg {
-  static constexpr int DW = 4;                 // warps per CTA
-  static constexpr int NS = 3;                 // stages per warp ring (two in flight)
+  static constexpr int DW = DW_;               // warps per CTA
+  static constexpr int NS = NS_;               // stages per warp ring (NS - 1 in flight while one is computed)
   static constexpr int KS = D + 16;            // K row stride: the 8-lane phases of 16-byte reads hit distinct banks
   static constexpr int K_OFF = 0;
   static constexpr int V_OFF = 32 * KS;        // V [D][32], token innermost
@@ -717,15 +727,28 @@ struct WCfg {
   static constexpr int MISC = DW * RING;       // wm[DW][8], wl[DW][8], row_m[8], row_l[8]
   static constexpr int BYTES = MISC + (2 * DW * 8 + 16) * 4;
   static constexpr int OS = D + 8;             // float row stride of the merge buffer (aliases the ring)
-  static constexpr int MIN_BLOCKS = D <= 64 ? 3 : 2;
+  // CTAs per SM by shared memory (228 KB, 1 KB reserved per CTA), at most 3 (registers).
+  static constexpr int FIT = 233472 / (BYTES + 1024);
+  static constexpr int MIN_BLOCKS = FIT < 1 ? 1 : (FIT > 3 ? 3 : FIT);
   static_assert(8 * OS * 4 <= RING, "merge buffer fits the warp's ring");
 };
-static_assert(2 * (WCfg<128>::BYTES + 1024) <= 233472, "two warp-decode CTAs per SM (D 128)");
+// The warp-decode shape a head dim runs (warps per CTA, ring slots per warp). D 128: 4 warps with
+// 2-slot rings, three CTAs (12 warps) per SM. Measured on the H200 in one run (32 q / 8 kv heads,
+// block 64, us; 4 x 3 = the v7 shape, two CTAs per SM): batch 32 at 4k / 8k / 16k 78.3 / 145.5 /
+// 281.2 (4 x 3: 80.4 / 147.8 / 285.5; 6 x 2: 77.9 / 146.9 / 282.0); batch 1 with the best split
+// count 11.9-12.3 / 14.5 / 19.2 (4 x 3: 12.5 / 15.7 / 20.7; 6 x 2: 12.7 / 15.0 / 19.3;
+// 12 x 2 and 8 x 3, one CTA per SM: 20.9 / 21.1 at 16k). D 64 keeps 4 x 3 (three CTAs fit).
+template <int D>
+struct WarpShape {
+  static constexpr int DW = 4;
+  static constexpr int NS = D <= 64 ? 3 : 2;
+};
+static_assert(WCfg<128, 4, 2>::MIN_BLOCKS == 3 && WCfg<64, 4, 3>::MIN_BLOCKS == 3, "three warp-decode CTAs per SM");
 
-template <int D, PvQuant PV>
-__global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
+template <int D, PvQuant PV, int DW_, int NS_>
+__global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>::MIN_BLOCKS)
     decode_warp_kernel(PagedAttentionParams p, TileShape ts) {
-  using C = WCfg<D>;
+  using C = WCfg<D, DW_, NS_>;
   constexpr int DW = C::DW;
   constexpr int NS = C::NS;
   constexpr int QW = D / 16;                 // words of a row's d slice per lane
@@ -798,58 +821,60 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
   const int nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;  // this warp's stages
 
   // ---- stage loads: data NS-1 stages ahead (cp.async) ----
-  const int64_t blk_stride = static_cast<int64_t>(Hkv) * B * D;
-  auto checked = [&](int b) -> int {  // a block id a visible position needs, or -1 (flagged)
-    if (b < 0 || b >= p.num_blocks) {
-      atomicOr(p.status, kPaBlockOutOfRange);
-      return -1;
-    }
-    return b;
-  };
+  // Per-lane source offsets and shared-memory destinations are fixed for the whole loop; a stage
+  // only adds its block's base (one 64-bit multiply per half) and the key offset in the block, so
+  // that the chunks of a half are one base plus immediate offsets. A half whose block is not
+  // valid reads block 0 with source size 0 (zero fill, nothing read). With the lazy rescaling
+  // below this took the loop from ~910 to ~660 SASS instructions a stage (sm_90a, D 128, s8): the
+  // v7 loop was bound by its own instruction latency (ncu at 32/16k: 0.45 instructions a cycle
+  // per scheduler at 1.9 warps, DRAM 78 % busy; now DRAM 81-82 %).
+  const int blk_stride = Hkv * B * D;  // bytes per cache block (K or V): one block's K fits an int
   const int kkey = lane / KPR, kpart = lane % KPR;  // K chunk i: key kkey + (32 / KPR) i
   const int vd = lane >> 1, vhalf = lane & 1;       // V chunk i: row vd + 16 i, keys 16 vhalf ..
-  auto issue = [&](int li, int r0, int r1) {
+  const int8_t* k_lane = p.key_cache + static_cast<int64_t>(h) * B * D + kkey * D + kpart * 16;
+  const int8_t* v_lane = p.value_cache + (static_cast<int64_t>(h) * D + vd) * B;
+  const unsigned k_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + C::K_OFF + kkey * C::KS + kpart * 16;
+  const unsigned v_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + C::V_OFF + vd * 32 + 16 * vhalf;
+  const int s_key = 4 * (lane & 7);  // scale chunk (lane < 16): keys s_key .. s_key + 3
+  const float* s_lane = (lane >= 8 ? p.value_scale : p.key_scale) + static_cast<int64_t>(h) * B + (s_key & 15);
+  const unsigned s_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + (lane >= 8 ? C::SV_OFF : C::SK_OFF) + s_key * 4;
+  const int vstep = 16 * B;
+  auto issue = [&](int li, int slot, int r0, int r1) {
     if (li < nw) {
-      unsigned char* st = ring + (li % NS) * C::STAGE;
+      const unsigned so = slot * C::STAGE;
       const int kp0 = kp0_of(li);
-      const int b0 = checked(r0);
-      const int b1 = kp0 + 16 >= k_hi ? -1 : (B >= 32 ? b0 : checked(r1));
+      const bool hi_live = kp0 + 16 < k_hi;  // the stage's keys 16..31 exist
+      const int r1b = B >= 32 ? r0 : r1;    // B >= 32: both halves in one block
+      const bool ok0 = static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
+      const bool ok1 = hi_live && static_cast<unsigned>(r1b) < static_cast<unsigned>(p.num_blocks);
+      if (!ok0 || (hi_live && !ok1)) atomicOr(p.status, kPaBlockOutOfRange);
+      const int b0 = ok0 ? r0 : 0, b1 = ok1 ? r1b : 0;
       const int pos0 = kp0 & (B - 1), pos1 = (kp0 + 16) & (B - 1);
-      const int8_t* kb0 = p.key_cache + (b0 < 0 ? 0 : b0 * blk_stride + (static_cast<int64_t>(h) * B + pos0) * D);
-      const int8_t* kb1 = p.key_cache + (b1 < 0 ? 0 : b1 * blk_stride + (static_cast<int64_t>(h) * B + pos1) * D);
+      const int8_t* kb0 = k_lane + static_cast<int64_t>(b0) * blk_stride + pos0 * D;
+      const int8_t* kb1 = k_lane + static_cast<int64_t>(b1) * blk_stride + pos1 * D;
 #pragma unroll
-      for (int i = 0; i < NKC; ++i) {
-        const int key = kkey + (32 / KPR) * i;
-        const bool hi = i >= NKC / 2;
-        const bool ok = (hi ? b1 : b0) >= 0;
-        const int8_t* src = (hi ? kb1 : kb0) + (ok ? (key & 15) * D + kpart * 16 : 0);
-        cp_async16(st + C::K_OFF + key * C::KS + kpart * 16, src, ok);
-      }
+      for (int i = 0; i < NKC / 2; ++i) cp_async16_s(k_dst + so + (32 / KPR) * i * C::KS, kb0 + (32 / KPR) * i * D, ok0);
+#pragma unroll
+      for (int i = 0; i < NKC / 2; ++i)
+        cp_async16_s(k_dst + so + (16 + (32 / KPR) * i) * C::KS, kb1 + (32 / KPR) * i * D, ok1);
       {
-        const int bv = vhalf ? b1 : b0;
-        const bool ok = bv >= 0;
-        const int8_t* src = p.value_cache + (ok ? bv * blk_stride + (static_cast<int64_t>(h) * D + vd) * B +
-                                                      (vhalf ? pos1 : pos0)
-                                                : 0);
+        const bool okv = vhalf ? ok1 : ok0;
+        const int8_t* vb = v_lane + static_cast<int64_t>(vhalf ? b1 : b0) * blk_stride + (vhalf ? pos1 : pos0);
 #pragma unroll
-        for (int i = 0; i < NVC; ++i)
-          cp_async16(st + C::V_OFF + (vd + 16 * i) * 32 + 16 * vhalf, ok ? src + 16 * i * B : src, ok);
+        for (int i = 0; i < NVC; ++i) cp_async16_s(v_dst + so + 16 * i * 32, vb + i * vstep, okv);
       }
       if (lane < 16) {
-        const int key = 4 * (lane & 7);
-        const bool hi = key >= 16;
-        const int bs = hi ? b1 : b0;
-        const bool ok = bs >= 0;
-        const float* base = lane >= 8 ? p.value_scale : p.key_scale;
-        const float* src = base + (ok ? (static_cast<int64_t>(bs) * Hkv + h) * B + (hi ? pos1 : pos0) + (key & 15) : 0);
-        cp_async16(st + (lane >= 8 ? C::SV_OFF : C::SK_OFF) + key * 4, src, ok);
+        const bool hi = s_key >= 16;
+        const bool oks = hi ? ok1 : ok0;
+        const float* src = s_lane + static_cast<int64_t>(hi ? b1 : b0) * (Hkv * B) + (hi ? pos1 : pos0);
+        cp_async16_s(s_dst + so, src, oks);
       }
     }
     cp_async_commit();  // empty past the warp's stages: wait_group keeps counting stages
   };
 
 #pragma unroll
-  for (int li = 0; li < NS - 1; ++li) issue(li, rid0[li], rid1[li]);
+  for (int li = 0; li < NS - 1; ++li) issue(li, li, rid0[li], rid1[li]);
   int nb0 = rid0[NS - 1], nb1 = rid1[NS - 1];  // raw ids of the next stage to issue
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the merge may launch (it waits)
@@ -865,17 +890,20 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
   float o[D / 8][2];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = 0.0f;
-  float m_run = kNegInf, l_run = 0.0f;
-  const float scale = p.scale;
+  float m_run = kNegInf, l_run = 0.0f;  // per row g, log2 units; O and l are relative to 2^m_run
+  const float scale2 = p.scale * 1.4426950408889634f;
   // Row of n-tile j's B fragment this lane reads: key 8 (g >> 1) + 2j + (g & 1).
   const int krow0 = 8 * (g >> 1) + (g & 1);
 
+  int wslot = NS - 1, rslot = 0;  // ring slots of the stage issued / consumed this iteration
   for (int i = 0; i < nw; ++i) {
-    issue(i + NS - 1, nb0, nb1);
+    issue(i + NS - 1, wslot, nb0, nb1);
+    wslot = wslot == NS - 1 ? 0 : wslot + 1;
     raw_ids(i + NS, nb0, nb1);
     cp_async_wait<NS - 1>();  // stage i has landed
     __syncwarp();
-    const unsigned char* st = ring + (i % NS) * C::STAGE;
+    const unsigned char* st = ring + rslot * C::STAGE;
+    rslot = rslot == NS - 1 ? 0 : rslot + 1;
     const int kp0 = kp0_of(i);
     const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
 
@@ -883,9 +911,9 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
     int acc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
       uint32_t kw[QW];
       load_words<D / 64>(st + C::K_OFF + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
+      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) mma_i8<false>(acc[j], qa[2 * c], 0u, qa[2 * c + 1], 0u, kw[2 * c], kw[2 * c + 1]);
     }
@@ -895,31 +923,44 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
     const float4 sv1 = *reinterpret_cast<const float4*>(st + C::SV_OFF + 32 * t + 16);
     const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
     const float svv[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
+    // Scores in log2 units (scale2 = scale * log2 e), so that e = 2^(s - m) is one ex2.
+    const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with k < lim_t are visible
     float sc[8];
     float mp = kNegInf;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const bool ok = row_ok && 8 * t + k < lim_rel;
-      sc[k] = ok ? ((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale : kNegInf;
+      sc[k] = k < lim_t ? ((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale2 : kNegInf;
       mp = fmaxf(mp, sc[k]);
     }
     mp = warp_max4(mp);
-    const float mn = fmaxf(m_run, mp);
-    const float alpha = m_run == kNegInf ? 0.0f : __expf(m_run - mn);
-    const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
-    m_run = mn;
+    // Lazy rescaling: the reference max m_run (of O and l) moves only when some row's stage max
+    // passes it by more than kLazyLog2 (then O and l are rescaled, as in the plain online
+    // softmax); otherwise the stage's weights carry beta = 2^(mp - m_run) <= 2^kLazyLog2 and O is
+    // not touched. The codes do not depend on it (each group is quantized against its own max).
+    if (__any_sync(0xffffffffu, mp > m_run + kLazyLog2)) {
+      const float mn = fmaxf(m_run, mp);
+      const float alpha = m_run == kNegInf ? 0.0f : fast_exp2(m_run - mn);
+      m_run = mn;
+      l_run *= alpha;
+#pragma unroll
+      for (int jn = 0; jn < D / 8; ++jn) {
+        o[jn][0] *= alpha;
+        o[jn][1] *= alpha;
+      }
+    }
+    const float beta = mp == kNegInf ? 0.0f : fast_exp2(mp - m_run);
     float wv[8];
     float esum = 0.0f, gmax = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const bool ok = row_ok && 8 * t + k < lim_rel;
-      const float e = ok ? __expf(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
+      const bool ok = k < lim_t;
+      const float e = ok ? fast_exp2(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
       esum += e;
       wv[k] = ok ? e * svv[k] : 0.0f;
       gmax = fmaxf(gmax, wv[k]);
     }
     gmax = warp_max4(gmax);
-    l_run = alpha * l_run + beta * esum;
+    l_run = fmaf(beta, esum, l_run);
 
     // ---- P.V: codes of keys 8t..8t+7 are this lane's A slots; V row d read as 8 bytes ----
     const unsigned char* v_sm = st + C::V_OFF;
@@ -941,8 +982,8 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
         float pacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma_f16(pacc, a[0], 0u, a[1], 0u, h0, h1);  // keys 8t..8t+3
         mma_f16(pacc, a[2], 0u, a[3], 0u, h2, h3);  // keys 8t+4..8t+7
-        o[jn][0] = fmaf(gs, pacc[0], o[jn][0] * alpha);
-        o[jn][1] = fmaf(gs, pacc[1], o[jn][1] * alpha);
+        o[jn][0] = fmaf(gs, pacc[0], o[jn][0]);
+        o[jn][1] = fmaf(gs, pacc[1], o[jn][1]);
       }
     } else {
       const float inv = gmax > 0.0f ? __fdiv_rn(kLevels, gmax) : 0.0f;
@@ -958,8 +999,8 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
         const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * 32 + 8 * t);
         int pacc[4] = {0, 0, 0, 0};
         mma_i8<PV == PvQuant::kU8>(pacc, pk[0], 0u, pk[1], 0u, x.x, x.y);
-        o[jn][0] = fmaf(gs, static_cast<float>(pacc[0]), o[jn][0] * alpha);
-        o[jn][1] = fmaf(gs, static_cast<float>(pacc[1]), o[jn][1] * alpha);
+        o[jn][0] = fmaf(gs, static_cast<float>(pacc[0]), o[jn][0]);
+        o[jn][1] = fmaf(gs, static_cast<float>(pacc[1]), o[jn][1]);
       }
     }
     __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
@@ -982,9 +1023,9 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
 #pragma unroll
   for (int w2 = 0; w2 < DW; ++w2) {
     const float l2 = wl[w2 * 8 + g];
-    if (l2 > 0.0f) L += l2 * __expf(wm[w2 * 8 + g] - M);
+    if (l2 > 0.0f) L += l2 * fast_exp2(wm[w2 * 8 + g] - M);
   }
-  const float f = l_run > 0.0f ? __expf(m_run - M) : 0.0f;
+  const float f = l_run > 0.0f ? fast_exp2(m_run - M) : 0.0f;
   float* ob = reinterpret_cast<float*>(ring);  // this warp's ring is free (all its copies landed)
 #pragma unroll
   for (int jn = 0; jn < D / 8; ++jn)
@@ -1018,52 +1059,89 @@ __global__ void __launch_bounds__(32 * WCfg<D>::DW, WCfg<D>::MIN_BLOCKS)
       *reinterpret_cast<float4*>(ws + (row * ts.nsplit + split) * D + d) = v;
       if (d == 0) {
         float2* ml = reinterpret_cast<float2*>(ws + static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
-        ml[row * ts.nsplit + split] = make_float2(row_m[r], l);
+        ml[row * ts.nsplit + split] = make_float2(row_m[r] * 0.6931471805599453f, l);  // natural log, as the merge reads
       }
     }
   }
 }
 
-// Combines the splits of each (token, head) row: weights l_i exp(m_i - max m).
+// Combines the splits of each (token, head) row: weights l_i exp(m_i - max m). One CTA of D
+// threads per row: kMergeGroups groups of D / 4 threads, group q merging splits q, q + 4, ... by
+// a running log-sum-exp with kMergeBatch splits' loads in flight at once (at batch 1 / 16k a row
+// has 16-64 splits, and the loads are L2 round trips: the old loop, eight splits at a time and
+// the maxima first, was 2 * nsplit / 8 of them in a row), then the groups combine through
+// shared memory.
+constexpr int kMergeGroups = 4;
+constexpr int kMergeBatch = 8;
 template <int D>
-__global__ void merge_splits_kernel(PagedAttentionParams p, int nsplit) {
+__global__ void __launch_bounds__(D) merge_splits_kernel(PagedAttentionParams p, int nsplit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent (sm_90): resident early, it waits here until the
   // attention grid has finished and its writes are visible.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+  __shared__ float s_acc[kMergeGroups][D];
+  __shared__ float s_mw[kMergeGroups][2];
   const int64_t row = blockIdx.x;
+  const int grp = threadIdx.x / (D / 4), d = 4 * (threadIdx.x % (D / 4));
   const float* ws = static_cast<const float*>(p.workspace);
   const float2* ml = reinterpret_cast<const float2*>(ws + static_cast<int64_t>(p.num_tokens) * p.num_heads * nsplit * D) +
                      row * nsplit;
-  // Unrolled so that eight splits' loads are in flight at once (at batch 1 / 16k there are 16-64
-  // splits a row and the loop was a chain of dependent L2 round trips).
-  float mx = kNegInf;
-#pragma unroll 8
-  for (int i = 0; i < nsplit; ++i) {
-    const float2 v = ml[i];
-    mx = v.y > 0.0f ? fmaxf(mx, v.x) : mx;
-  }
-  const int d = 4 * threadIdx.x;
   const float4* x4 = reinterpret_cast<const float4*>(ws + row * nsplit * D + d);
+  float mx = kNegInf, wsum = 0.0f;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float wsum = 0.0f;
-#pragma unroll 8
-  for (int i = 0; i < nsplit; ++i) {
-    const float2 v = ml[i];
-    const float4 x = x4[i * (D / 4)];
-    if (v.y > 0.0f) {  // a split that saw no key wrote l = 0 (its O is not read)
-      const float wt = v.y * expf(v.x - mx);
-      wsum += wt;
-      acc.x += wt * x.x;
-      acc.y += wt * x.y;
-      acc.z += wt * x.z;
-      acc.w += wt * x.w;
+  for (int base = grp; base < nsplit; base += kMergeGroups * kMergeBatch) {
+    float2 v[kMergeBatch];
+    float4 x[kMergeBatch];
+#pragma unroll
+    for (int u = 0; u < kMergeBatch; ++u) {
+      const int i = base + kMergeGroups * u;
+      v[u] = i < nsplit ? ml[i] : make_float2(0.0f, 0.0f);
+      x[u] = i < nsplit ? x4[static_cast<int64_t>(i) * (D / 4)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kMergeBatch; ++u) {
+      if (v[u].y > 0.0f) {  // a split that saw no key wrote l = 0 (its O is not read)
+        const float mn = fmaxf(mx, v[u].x);
+        const float c = expf(mx - mn);  // 0 while mx is -inf
+        const float wt = v[u].y * expf(v[u].x - mn);
+        wsum = wsum * c + wt;
+        acc.x = acc.x * c + wt * x[u].x;
+        acc.y = acc.y * c + wt * x[u].y;
+        acc.z = acc.z * c + wt * x[u].z;
+        acc.w = acc.w * c + wt * x[u].w;
+        mx = mn;
+      }
     }
   }
-  const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-  store_out2(p, row, d, acc.x * inv, acc.y * inv);
-  store_out2(p, row, d + 2, acc.z * inv, acc.w * inv);
+  *reinterpret_cast<float4*>(&s_acc[grp][d]) = acc;
+  if (d == 0) {
+    s_mw[grp][0] = mx;
+    s_mw[grp][1] = wsum;
+  }
+  __syncthreads();
+  if (grp != 0) return;
+  float M = kNegInf;
+#pragma unroll
+  for (int q = 0; q < kMergeGroups; ++q)
+    if (s_mw[q][1] > 0.0f) M = fmaxf(M, s_mw[q][0]);
+  float total = 0.0f;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int q = 0; q < kMergeGroups; ++q) {
+    if (s_mw[q][1] > 0.0f) {
+      const float f = expf(s_mw[q][0] - M);
+      const float4 a = *reinterpret_cast<const float4*>(&s_acc[q][d]);
+      total += f * s_mw[q][1];
+      o.x += f * a.x;
+      o.y += f * a.y;
+      o.z += f * a.z;
+      o.w += f * a.w;
+    }
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  store_out2(p, row, d, o.x * inv, o.y * inv);
+  store_out2(p, row, d + 2, o.z * inv, o.w * inv);
 }
 
 int sm_major() {  // of the current device, cached per device
@@ -1103,6 +1181,11 @@ int resident_ctas(int head_dim, bool rows16, bool fp16_codes) {
   }
 }
 
+int warp_decode_ctas_per_sm(int head_dim) {
+  return head_dim <= 64 ? WCfg<64, WarpShape<64>::DW, WarpShape<64>::NS>::MIN_BLOCKS
+                        : WCfg<128, WarpShape<128>::DW, WarpShape<128>::NS>::MIN_BLOCKS;
+}
+
 // Decode launches (no cu_seqlens_q, or decode_with_cu) with G <= 8 and D 64 / 128 run
 // decode_warp_kernel; other launches with cu_seqlens_q never do, so the workspace for
 // max_q_len == 1 and T == S is sized for both (the caller does not say whether cu comes).
@@ -1128,10 +1211,14 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
     // Pick the split count by a wave model: CTAs resident at once (shared memory bound, 228 KB
     // per SM), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys). Fewer splits
     // win ties: each extra split costs a partial-output write and read plus the merge.
-    // Warp decode: modelled as one CTA per SM although two fit; measured at batch 1 (H200,
-    // 32 q / 8 kv heads, block 64) 16 splits beat 32 at 8k / 16k: 21.4 / 30.2 us against
-    // 24.3 / 31.9 (8 splits: 25.5 / 40.4; at 4k 16 either way). Batch 32 gets one split either way.
-    const int per_sm = warp_decode ? 1 : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
+    // Warp decode: modelled as two CTAs per SM although three fit (WarpShape): two already
+    // saturate memory, so a third resident CTA adds no throughput. Measured on the H200 (32 q /
+    // 8 kv heads, block 64): with three per SM the model split batch 32 three ways, 85.9 / 152.1 /
+    // 290.8 us at 4k / 8k / 16k against 78.3 / 145.5 / 281.2 unsplit; with two it keeps one split
+    // there and picks 32 splits at batch 1 / 8k and 16k (14.5 / 19.2 us against 16.1 / 21.7 with
+    // 16) and 16 at 4k (all 16 partitions), the best of each sweep.
+    const int per_sm = warp_decode ? std::min(2, warp_decode_ctas_per_sm(p.head_dim))
+                                   : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
     const int64_t conc = static_cast<int64_t>(sm_count()) * per_sm;
     const int64_t base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.n_qt;
     int64_t best_cost = -1;
@@ -1152,6 +1239,16 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
   return ts;
 }
 
+template <int D, PvQuant PV, int DW, int NS>
+cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int64_t ctas, cudaStream_t stream) {
+  using C = WCfg<D, DW, NS>;
+  auto kernel = decode_warp_kernel<D, PV, DW, NS>;
+  const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::BYTES);
+  if (attr != cudaSuccess) return attr;
+  kernel<<<static_cast<unsigned>(ctas), 32 * DW, C::BYTES, stream>>>(p, ts);
+  return cudaSuccess;
+}
+
 template <int D, PvQuant PV>
 cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cudaStream_t stream) {
   const int rows_used = ts.qpt * ts.hpt;
@@ -1161,10 +1258,8 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
   if (ctas == 0) return cudaSuccess;
   if constexpr (D <= 128) {
     if (use_warp_decode(p)) {
-      auto kernel = decode_warp_kernel<D, PV>;
-      const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WCfg<D>::BYTES);
+      const cudaError_t attr = launch_warp<D, PV, WarpShape<D>::DW, WarpShape<D>::NS>(p, ts, ctas, stream);
       if (attr != cudaSuccess) return attr;
-      kernel<<<static_cast<unsigned>(ctas), 32 * WCfg<D>::DW, WCfg<D>::BYTES, stream>>>(p, ts);
     }
   }
   if (!(D <= 128 && use_warp_decode(p))) {
@@ -1181,7 +1276,7 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
   // overlaps the attention grid's tail instead of following it (a few us at batch 1).
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads));
-  cfg.blockDim = dim3(D / 4);
+  cfg.blockDim = dim3(D);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
