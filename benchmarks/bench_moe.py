@@ -236,6 +236,53 @@ def time_runs(sessions, feeds, repeats):
     return res
 
 
+def error_budget(configs, tokens=(16, 512), seeds=(0, 1, 2, 3, 4)):
+    """Prints where the INT8 layer's error against the float64 layer comes from (no timing).
+
+    For each config, on the benchmark's own data (seed 0; x drawn as for the default --tokens, so
+    the 16-token row is the table's error column) at each of ``tokens``: the chain through the
+    references ("ours": the kernels equal it bit for bit), the plain W8A8 model of the same integer
+    math in float64 (``moe_layer_w8a8``, every step on), that model with each INT8 rounding alone
+    and with all but that one, and the weights alone (QMoE's kind of error). Then the chain's and
+    the W8A8 model's error at 16 tokens over ``seeds`` (fresh weights and data) for the spread."""
+    from ort_ops.ops import moe_layer as ml
+
+    steps = ml.QUANT_STEPS
+    for cfg in configs:
+        e, k = (int(v) for v in cfg.split("x"))
+        rng = np.random.default_rng(0)
+        w = ml.random_moe_weights(rng, HIDDEN, INTER, e)
+        q = ml.quantize_moe_weights(w)
+        xs = {t: rng.standard_normal((t, HIDDEN)).astype(np.float32) for t in (1, 16, 128, 512)}
+        print(f"\nE={e} top-{k}: relative L2 (%) against the float64 layer, same routing")
+        head = ["ours", "w8a8"] + [f"{a} only" for a in steps] + [f"no {a}" for a in steps] + ["weights only"]
+        print(f"{'tokens':>6} " + " ".join(f"{h:>12}" for h in head))
+        for t in tokens:
+            x = xs[t] if t in xs else rng.standard_normal((t, HIDDEN)).astype(np.float32)
+            routing = ml.route(x, w.router, k)
+            want = ml.moe_layer_float(x, w, k, routing=routing)
+            vals = [ml.relative_l2(ml.moe_layer_int8_reference(x, q, *routing), want)]
+            for quant in [steps] + [(a,) for a in steps] + [tuple(b for b in steps if b != a) for a in steps] + [
+                    ("gate_up", "down")]:
+                vals.append(ml.relative_l2(ml.moe_layer_w8a8(x, w, routing, quant), want))
+            print(f"{t:>6} " + " ".join(f"{v * 100:12.3f}" for v in vals))
+        del w, q
+        gc.collect()
+        spread = []
+        for seed in seeds:
+            rng = np.random.default_rng(seed)
+            w = ml.random_moe_weights(rng, HIDDEN, INTER, e)
+            x = rng.standard_normal((16, HIDDEN)).astype(np.float32)
+            routing = ml.route(x, w.router, k)
+            want = ml.moe_layer_float(x, w, k, routing=routing)
+            ours = ml.relative_l2(ml.moe_layer_int8_reference(x, ml.quantize_moe_weights(w), *routing), want)
+            spread.append((ours, ml.relative_l2(ml.moe_layer_w8a8(x, w, routing), want)))
+            del w
+            gc.collect()
+        print(f"16 tokens, seeds {list(seeds)} (fresh weights and x): ours "
+              + " ".join(f"{a * 100:.3f}" for a, _ in spread) + "; w8a8 " + " ".join(f"{b * 100:.3f}" for _, b in spread))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experts", default="8x2,64x8", help="comma list of EXPERTSxTOPK")
@@ -244,7 +291,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--skip", default="", help=f"comma list of paths to leave out, from {PATHS}")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--error-budget", action="store_true",
+                    help="print where the INT8 layer's error comes from (each INT8 rounding on / off in a float64 "
+                         "W8A8 model, ort_ops.ops.moe_layer.moe_layer_w8a8) for --experts, then exit; no timing")
     args = ap.parse_args(argv)
+    if args.error_budget:
+        error_budget(args.experts.split(","))
+        return
 
     from ort_ops.ops import moe_layer as ml
 

@@ -18,6 +18,18 @@ MOE_FLOAT_EXACT_ATOL = 0.0
 # row) without failing on seed-to-seed spread.
 MOE_CHAIN_VS_FLOAT_REL_L2 = 0.035
 
+# The error budget at issue 4's shape (tests/ops/test_moe_chain.py::test_error_budget_issue_shape:
+# hidden 2048, intermediate 1408, 8 experts top-2, 64 tokens, seed 4). The INT8 chain equals the
+# plain W8A8 model of its integer math in float64 (ort_ops.ops.moe_layer.moe_layer_w8a8) up to
+# its float32 dequantization / SwiGLU: measured 1e-7 relative apart (E=8 and E=64), so 1e-5 flags any
+# kernel or reference step that adds error of its own. Against the float64 layer the W8A8 math
+# itself gives 2.79-2.95 % over seeds (benchmarks/RESULTS_cpu.md); at this seed it measured
+# 2.858 % (without the SwiGLU output's rounding 1.851 %). The data are fixed and the chain is
+# bit-exact on every ISA, so the bound's 0.05-point margin only covers float64 summation order
+# (numpy / BLAS builds: < 1e-6 points); a change to a rounding rule or a lost scale moves it more.
+MOE_CHAIN_VS_W8A8_REL_L2 = 1e-5
+MOE_W8A8_ISSUE_SHAPE_REL_L2 = 0.0291
+
 # PagedAttentionInt8 float outputs against ort_ops.reference.paged_attention_int8 (same
 # quantization, different float path): the kernels normalize per partition / online instead of
 # over all keys at once, use their own exp (polynomial, ~1 ulp) and sum in another order. Each

@@ -169,6 +169,62 @@ def moe_layer_int8_reference(x: np.ndarray, q: QuantizedMoeWeights, topk_ids: np
     return moe_finalize_routing.reference(expert_out, s2f, topk_w, residual)
 
 
+QUANT_STEPS = ("x", "gate_up", "h", "down")
+
+
+def moe_layer_w8a8(x: np.ndarray, w: MoeWeights, routing: tuple[np.ndarray, np.ndarray],
+                   quant: tuple[str, ...] = QUANT_STEPS) -> np.ndarray:
+    """The chain's W8A8 integer math in float64, each INT8 rounding switchable (the error budget).
+
+    Quantizes by the contract's rule (``quantize_rows``: symmetric, scale = amax / 127, codes
+    rint(v * 127 / amax)), then computes in float64, which is exact for the integer products:
+      "x"       each routed token's input x [H], per token (DynamicQuant);
+      "gate_up" w_gate_up per output channel over H (offline, ``quantize_expert_weights``);
+      "h"       the SwiGLU output h [I] per row (GroupedMatmulSwigluQuant's y), the down
+                projection's activation;
+      "down"    w_down per output channel over I.
+    Everything else (matmuls, dequantization, SiLU, the weighted sum) is float64. With every step
+    on this is the plain W8A8 layer (per-token symmetric int8 activations, per-channel int8
+    weights, integer matmuls, float SwiGLU): the INT8 chain computes the same codes and differs
+    only by its float32 dequantization and SwiGLU. With none it is ``moe_layer_float``.
+    """
+    unknown = set(quant) - set(QUANT_STEPS)
+    if unknown:
+        raise ValueError(f"moe_layer_w8a8: unknown quantization step(s) {sorted(unknown)}, expected {QUANT_STEPS}")
+
+    def rows(a):  # per-row INT8 round trip, float64
+        q, s = quantize_rows(np.asarray(a, np.float32), axis=-1)
+        return q.astype(np.float64) * s.astype(np.float64)[..., None]
+
+    def weights(a, on):  # one expert's [K, N]: per-output-channel (over K) INT8 round trip, float64
+        if not on:
+            return np.asarray(a, np.float64)
+        q, s = quantize_expert_weights(a[None])
+        return q[0].astype(np.float64) * s.astype(np.float64)
+
+    x = np.asarray(x, np.float32)
+    xin = rows(x) if "x" in quant else x.astype(np.float64)
+
+    def expert(xe, gu, dn):
+        c = xe @ gu
+        i = gu.shape[-1] // 2
+        h = _silu(c[:, :i]) * c[:, i:]
+        return (rows(h) if "h" in quant else h) @ dn
+
+    def run(xe, gate_up, down):
+        return expert(xe, weights(gate_up, "gate_up" in quant), weights(down, "down" in quant))
+
+    ids, wts = routing
+    out = np.zeros(x.shape, np.float64)
+    for e in range(w.num_experts):
+        t, j = np.nonzero(ids == e)
+        if t.size:
+            np.add.at(out, t, wts[t, j, None].astype(np.float64) * run(xin[t], w.w_gate_up[e], w.w_down[e]))
+    if w.shared_gate_up is not None:
+        out += run(xin, w.shared_gate_up[0], w.shared_down[0])
+    return out.astype(np.float32)
+
+
 def relative_l2(got: np.ndarray, want: np.ndarray) -> float:
     """||got - want||_2 / ||want||_2 over the whole tensor (float64)."""
     g = np.asarray(got, np.float64)

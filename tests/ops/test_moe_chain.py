@@ -11,7 +11,7 @@ import pytest
 
 from ort_ops._lib import session_options
 from ort_ops.ops import moe_layer as ml
-from tests.tolerances import MOE_CHAIN_VS_FLOAT_REL_L2
+from tests.tolerances import MOE_CHAIN_VS_FLOAT_REL_L2, MOE_CHAIN_VS_W8A8_REL_L2, MOE_W8A8_ISSUE_SHAPE_REL_L2
 
 # hidden, intermediate, experts, top-k, tokens, shared-expert intermediate
 CONFIGS = [(512, 384, 8, 2, 64, 0), (512, 384, 8, 2, 33, 256), (256, 192, 16, 4, 17, 0), (128, 96, 4, 1, 1, 64)]
@@ -50,3 +50,28 @@ def test_router_in_graph(rng):
     ref = ml.moe_layer_int8_reference(x, q, ids, wts)
     assert ml.relative_l2(out, ref) < 1e-5  # only the router's float rounding differs
     assert ml.relative_l2(out, ml.moe_layer_float(x, w, k)) <= MOE_CHAIN_VS_FLOAT_REL_L2
+
+
+def test_error_budget_issue_shape():
+    """Issue 4's error budget at its shape (hidden 2048, intermediate 1408, 8 experts top-2, 64
+    tokens; weights and x drawn from a fixed seed): the native chain's error against the float64
+    layer is the plain W8A8 model's (``moe_layer_w8a8``: per-token int8 x, per-channel int8
+    weights, integer matmuls, float SwiGLU, per-row int8 SwiGLU output), i.e. the kernels add
+    nothing, and stays within MOE_W8A8_ISSUE_SHAPE_REL_L2 (measured + a stated margin). Each INT8
+    rounding's share (benchmarks/RESULTS_cpu.md): the SwiGLU output's is the largest."""
+    h, i, e, k, t = 2048, 1408, 8, 2, 64
+    rng = np.random.default_rng(4)
+    w = ml.random_moe_weights(rng, h, i, e)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    ids, wts = ml.route(x, w.router, k)
+    out = _session(ml.build_moe_int8_model(ml.quantize_moe_weights(w), k, router_in_graph=False)).run(
+        None, {"x": x, "topk_ids": ids, "topk_weights": wts})[0]
+    want = ml.moe_layer_float(x, w, k, routing=(ids, wts))
+    err = ml.relative_l2(out, want)
+    w8a8 = ml.moe_layer_w8a8(x, w, (ids, wts))
+    print(f"INT8 chain vs float layer {err:.5f}, vs the float64 W8A8 model {ml.relative_l2(out, w8a8):.2e}")
+    assert ml.relative_l2(out, w8a8) <= MOE_CHAIN_VS_W8A8_REL_L2
+    assert err <= MOE_W8A8_ISSUE_SHAPE_REL_L2
+    # The budget's largest share: without the SwiGLU output's rounding the error drops by a third.
+    no_h = ml.relative_l2(ml.moe_layer_w8a8(x, w, (ids, wts), ("x", "gate_up", "down")), want)
+    assert no_h < 0.75 * err
