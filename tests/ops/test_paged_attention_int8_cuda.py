@@ -180,6 +180,42 @@ def test_partition_size_changes_nothing_beyond_rounding(rng, partition_size, blo
     _check_close(got.cpu().numpy(), want, step, cache, "s8", "float32", f"P={partition_size}")
 
 
+@pytest.mark.parametrize("pv_quant", ["s8", "none"])
+@pytest.mark.parametrize("d,b", [(128, 64), (64, 32)])
+def test_decode_running_max_jumps(rng, d, b, pv_quant):
+    """Scores that climb by ~90 (log2 units) along sequence 0 and sit far below an early spike in
+    sequence 1: the decode kernel rescales O and l only when a row's max passes its reference by
+    more than 2^8, so sequence 0 crosses that threshold many times (with weights up to 2^8 above
+    the reference in between) and sequence 1 never does after the spike. Both against the
+    reference, with and without key splits."""
+    lens, hq, hkv = [2500, 777], 8, 2
+    g = hq // hkv
+    query = (rng.standard_normal((len(lens), hq, d)) * 2.0).astype(np.float32)
+    cuk = np.concatenate([[0], np.cumsum(lens)])
+    key = (rng.standard_normal((sum(lens), hkv, d)) * 0.3).astype(np.float32)
+    value = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    scale = 1.0 / np.sqrt(d)
+    for s_i, n in enumerate(lens):
+        pos = np.arange(n)
+        if s_i == 0:
+            c = (pos / n) * np.where((pos // 300) % 2 == 0, 1.0, 0.8)  # a climb with dips
+        else:
+            c = np.full(n, 0.2)
+            c[3] = 1.0  # one spike at the start, then far below it
+        for h in range(hkv):
+            qg = query[s_i, h * g:(h + 1) * g]
+            qdir = (qg / np.linalg.norm(qg, axis=1, keepdims=True)).sum(0)
+            qdir /= np.linalg.norm(qdir)
+            amp = 60.0 / (np.min(qg @ qdir) * scale)  # the weakest head's top score is ~60 (natural log)
+            key[cuk[s_i]:cuk[s_i + 1], h] += (c[:, None] * amp * qdir[None, :]).astype(np.float32)
+    cache = build_paged_cache(key, value, cuk, b, rng)
+    want, step = _ref(query, cache, None, pv_quant=pv_quant)
+    for split in (0, 1, 3):
+        got, status = _run(query, cache, None, pv_quant=pv_quant, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, pv_quant, "float32", f"splits={split}")
+
+
 @pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
 @pytest.mark.parametrize("hq,hkv,d,b", [(8, 2, 128, 16), (4, 1, 64, 32), (6, 2, 256, 64), (1, 1, 128, 16)])
 def test_prefill_with_history_matches_reference(rng, hq, hkv, d, b, pv_quant):

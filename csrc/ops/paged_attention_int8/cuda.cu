@@ -161,12 +161,17 @@ __device__ __forceinline__ void s8x4_to_half2x2(uint32_t x, uint32_t& lo, uint32
   hi = *reinterpret_cast<uint32_t*>(&hh);
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx.ftz (what __expf uses)
+// exp(x) as __expf computes it in the normal range (ex2.approx of x * log2 e), with results
+// below 2^-126 flushed to zero instead of __expf's extra range steps (~6 instructions an exp;
+// such a weight is a zero code either way).
+__device__ __forceinline__ float fast_exp(float x) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
   return y;
 }
-constexpr float kLazyLog2 = 8.0f;  // decode_warp_kernel: rescale O and l when a max grows by > 2^8
+// decode_warp_kernel: rescale O and l only when a row's max grows by more than this (natural
+// log; e^5.5 ~ 245).
+constexpr float kLazyRescale = 5.5f;
 
 __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of one g (t = 0..3)
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -890,8 +895,8 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   float o[D / 8][2];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = 0.0f;
-  float m_run = kNegInf, l_run = 0.0f;  // per row g, log2 units; O and l are relative to 2^m_run
-  const float scale2 = p.scale * 1.4426950408889634f;
+  float m_run = kNegInf, l_run = 0.0f;  // per row g; O and l are relative to exp(m_run)
+  const float scale = p.scale;
   // Row of n-tile j's B fragment this lane reads: key 8 (g >> 1) + 2j + (g & 1).
   const int krow0 = 8 * (g >> 1) + (g & 1);
 
@@ -923,23 +928,24 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     const float4 sv1 = *reinterpret_cast<const float4*>(st + C::SV_OFF + 32 * t + 16);
     const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
     const float svv[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
-    // Scores in log2 units (scale2 = scale * log2 e), so that e = 2^(s - m) is one ex2.
+    // Scores bit-identical to the reference's (same int32 dot, same float32 multiplies).
     const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with k < lim_t are visible
     float sc[8];
     float mp = kNegInf;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      sc[k] = k < lim_t ? ((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale2 : kNegInf;
+      sc[k] = k < lim_t ? ((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale : kNegInf;
       mp = fmaxf(mp, sc[k]);
     }
     mp = warp_max4(mp);
     // Lazy rescaling: the reference max m_run (of O and l) moves only when some row's stage max
-    // passes it by more than kLazyLog2 (then O and l are rescaled, as in the plain online
-    // softmax); otherwise the stage's weights carry beta = 2^(mp - m_run) <= 2^kLazyLog2 and O is
-    // not touched. The codes do not depend on it (each group is quantized against its own max).
-    if (__any_sync(0xffffffffu, mp > m_run + kLazyLog2)) {
+    // passes it by more than kLazyRescale (then O and l are rescaled, as in the plain online
+    // softmax); otherwise the stage's weights carry beta = exp(mp - m_run) <= e^kLazyRescale and
+    // O is not touched. The codes do not depend on it (each group is quantized against its own
+    // max, e = exp(s - mp)).
+    if (__any_sync(0xffffffffu, mp > m_run + kLazyRescale)) {
       const float mn = fmaxf(m_run, mp);
-      const float alpha = m_run == kNegInf ? 0.0f : fast_exp2(m_run - mn);
+      const float alpha = m_run == kNegInf ? 0.0f : fast_exp(m_run - mn);
       m_run = mn;
       l_run *= alpha;
 #pragma unroll
@@ -948,13 +954,13 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
         o[jn][1] *= alpha;
       }
     }
-    const float beta = mp == kNegInf ? 0.0f : fast_exp2(mp - m_run);
+    const float beta = mp == kNegInf ? 0.0f : fast_exp(mp - m_run);
     float wv[8];
     float esum = 0.0f, gmax = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const bool ok = k < lim_t;
-      const float e = ok ? fast_exp2(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
+      const float e = ok ? fast_exp(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
       esum += e;
       wv[k] = ok ? e * svv[k] : 0.0f;
       gmax = fmaxf(gmax, wv[k]);
@@ -1023,9 +1029,9 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
 #pragma unroll
   for (int w2 = 0; w2 < DW; ++w2) {
     const float l2 = wl[w2 * 8 + g];
-    if (l2 > 0.0f) L += l2 * fast_exp2(wm[w2 * 8 + g] - M);
+    if (l2 > 0.0f) L += l2 * fast_exp(wm[w2 * 8 + g] - M);
   }
-  const float f = l_run > 0.0f ? fast_exp2(m_run - M) : 0.0f;
+  const float f = l_run > 0.0f ? fast_exp(m_run - M) : 0.0f;
   float* ob = reinterpret_cast<float*>(ring);  // this warp's ring is free (all its copies landed)
 #pragma unroll
   for (int jn = 0; jn < D / 8; ++jn)
@@ -1059,7 +1065,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
       *reinterpret_cast<float4*>(ws + (row * ts.nsplit + split) * D + d) = v;
       if (d == 0) {
         float2* ml = reinterpret_cast<float2*>(ws + static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
-        ml[row * ts.nsplit + split] = make_float2(row_m[r] * 0.6931471805599453f, l);  // natural log, as the merge reads
+        ml[row * ts.nsplit + split] = make_float2(row_m[r], l);
       }
     }
   }
