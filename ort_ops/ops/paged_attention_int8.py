@@ -191,7 +191,11 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
     wg = np.pad(w, ((0, 0), (0, pad))).reshape(n, groups, GROUP)
     vg = np.pad(vq, ((0, pad), (0, 0))).reshape(groups, GROUP, d)
     gmax = wg.max(axis=2)                                                       # [n, G]
-    inv = np.where(gmax > 0, levels / np.where(gmax > 0, gmax, np.float32(1)), np.float32(0)).astype(np.float32)
+    # The code factor L / max saturates at FLT_MAX: a group whose max W is below L / FLT_MAX
+    # (~3.7e-37) would get inf, and 0 * inf would make its zero weights NaN codes.
+    with np.errstate(over="ignore"):
+        inv = levels / np.where(gmax > 0, gmax, np.float32(1))
+    inv = np.where(gmax > 0, np.minimum(inv, np.finfo(np.float32).max), np.float32(0)).astype(np.float32)
     wq = np.minimum(np.rint((wg * inv[:, :, None]).astype(np.float32)), levels)  # codes 0 .. L
     # int32 inner sums per group (exact in float64), then O = sum_g (max_g W / L) * isum_g.
     isum = np.einsum("ngk,gkd->ngd", wq.astype(np.float64), vg.astype(np.float64)).astype(np.int64)

@@ -155,6 +155,41 @@ def test_no_16bit_saturation(monkeypatch, isa, pv):
     _assert_matches(out, ins, 127 * 0.25, pv_quant=pv)
 
 
+def tiny_w_group_case(rng, d=64, q_rows=1):
+    """Two 32-token groups, all scores 0 (P uniform): group 0 has V scale 0.25; group 1 has V
+    scales 0 (tokens 32-47) and 1e-39 (48-63, subnormal), so its largest W is ~1e-41 and the code
+    factor L / max W overflows float32. Returns (inputs, expected output): group 0's exact
+    contribution (its W codes are all L); group 1 contributes below 1e-36."""
+    vq = rng.integers(-127, 128, (2, 1, d, 32)).astype(np.int8)
+    vs = np.full((2, 1, 32), 0.25, np.float32)
+    vs[1, 0, :16] = 0.0
+    vs[1, 0, 16:] = np.float32(1e-39)
+    ins = {"query": np.zeros((q_rows, 2, d), np.float32),
+           "key_cache": rng.integers(-127, 128, (2, 1, 32, d)).astype(np.int8),
+           "value_cache": vq, "key_scale": np.full((2, 1, 32), 0.5, np.float32), "value_scale": vs,
+           "block_tables": np.array([[0, 1]], np.int32), "seq_lens": np.array([64], np.int32)}
+    visible = 64 - q_rows + 1 + np.arange(q_rows)  # keys each query row sees (causal)
+    want = (0.25 / visible)[:, None, None] * vq[0, 0].astype(np.float64).sum(axis=1)[None, None, :]
+    return ins, np.broadcast_to(want, (q_rows, 2, d))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pv", ["s8", "u8"])
+def test_code_factor_saturates_for_tiny_weights(monkeypatch, rng, isa, pv):
+    """A group whose largest W is subnormal: L / max W would be inf and 0 * inf a NaN code for
+    its zero weights (DESIGN.md: the factor saturates at FLT_MAX). The reference must raise no
+    floating-point exception, and reference and kernel give group 0's exact sum."""
+    use_isa(monkeypatch, isa)
+    for rows in (1, 3):  # decode; a 3-token causal chunk
+        ins, want = tiny_w_group_case(rng, q_rows=rows)
+        if rows > 1:
+            ins["cu_seqlens_q"] = np.array([0, rows], np.int32)
+        with np.errstate(over="raise", invalid="raise"):
+            ref = reference.paged_attention_int8(**ins, pv_quant=pv)
+        np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-30)
+        np.testing.assert_allclose(_run(ins, pv_quant=pv), want, rtol=1e-5, atol=1e-30)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_minus_128_codes(monkeypatch, rng, isa):
     """Codes of -128 (never written by QuantizeKVCache, but representable) stay exact in every

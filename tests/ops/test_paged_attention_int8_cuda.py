@@ -216,6 +216,22 @@ def test_decode_running_max_jumps(rng, d, b, pv_quant):
         _check_close(got.cpu().numpy(), want, step, cache, pv_quant, "float32", f"splits={split}")
 
 
+@pytest.mark.parametrize("pv_quant", ["s8", "u8"])
+def test_code_factor_saturates_for_tiny_weights(rng, pv_quant):
+    """A group whose largest W is subnormal (L / max W overflows): both the decode kernel and the
+    general kernel give the reference's exact group-0 sum (see the CPU test of the same name)."""
+    from tests.ops.test_paged_attention_int8 import tiny_w_group_case
+    for rows in (1, 3):  # decode kernel; general (prefill) kernel
+        ins, want = tiny_w_group_case(rng, q_rows=rows)
+        cache = {k: ins[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                     "block_tables", "seq_lens")}
+        cu = None if rows == 1 else np.array([0, rows], np.int32)
+        for split in (0, 2):
+            got, status = _run(ins["query"], cache, cu, pv_quant=pv_quant, num_splits=split)
+            assert status == 0, _cuda.PA_STATUS.get(status, status)
+            np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-5, atol=1e-30)
+
+
 @pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
 @pytest.mark.parametrize("hq,hkv,d,b", [(8, 2, 128, 16), (4, 1, 64, 32), (6, 2, 256, 64), (1, 1, 128, 16)])
 def test_prefill_with_history_matches_reference(rng, hq, hkv, d, b, pv_quant):

@@ -179,7 +179,7 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
         const float gmax = Kern::max32(wr);
         gscale[r] = gmax / levels;
         if (gmax > 0.0f) {
-          Kern::quant32(wr, levels / gmax, levels, codes + r * kGroup);
+          Kern::quant32(wr, std::min(levels / gmax, std::numeric_limits<float>::max()), levels, codes + r * kGroup);  // L / max saturates (DESIGN.md)
           any = true;
         } else {
           std::memset(codes + r * kGroup, 0, kGroup);

@@ -173,6 +173,13 @@ __device__ __forceinline__ float fast_exp(float x) {
 // log; e^5.5 ~ 245).
 constexpr float kLazyRescale = 5.5f;
 
+// A P-V group's code factor L / max W, 0 for an all-zero group. It saturates at FLT_MAX: a group
+// whose max W is below L / FLT_MAX (~3.7e-37) would otherwise get inf, and 0 * inf would turn the
+// group's zero weights into NaN codes (DESIGN.md, "L / max saturates"; the reference does the same).
+__device__ __forceinline__ float code_inverse(float gmax, float levels) {
+  return gmax > 0.0f ? fminf(__fdiv_rn(levels, gmax), 3.402823466e38f) : 0.0f;
+}
+
 __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of one g (t = 0..3)
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -561,7 +568,7 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
           *reinterpret_cast<uint2*>(c_sm + r * CS + 2 * k) = *reinterpret_cast<const uint2*>(hv);
           if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = gmax * beta;
         } else {
-          const float inv = gmax > 0.0f ? __fdiv_rn(kLevels, gmax) : 0.0f;
+          const float inv = code_inverse(gmax, kLevels);
           uint32_t packed = 0;
 #pragma unroll
           for (int jj = 0; jj < 4; ++jj) {
@@ -992,7 +999,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
         o[jn][1] = fmaf(gs, pacc[1], o[jn][1]);
       }
     } else {
-      const float inv = gmax > 0.0f ? __fdiv_rn(kLevels, gmax) : 0.0f;
+      const float inv = code_inverse(gmax, kLevels);
       uint32_t pk[2] = {0u, 0u};
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
