@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <memory>
 
-
 #include "common/cpu_features.h"
 #include "common/tensor.h"
 #include "ops/dynamic_quant/cpu.h"
