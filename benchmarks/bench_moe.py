@@ -176,7 +176,7 @@ def build(name, w, q, k):
     return plain_onnx_model(w, k), False
 
 
-def session(model, threads, tmpdir, custom_ops):
+def session(model, threads, tmpdir, custom_ops, spin=True):
     import onnx
     import onnxruntime as ort
 
@@ -185,6 +185,8 @@ def session(model, threads, tmpdir, custom_ops):
     so = session_options(intra_op_threads=threads) if custom_ops else ort.SessionOptions()
     if not custom_ops:
         so.intra_op_num_threads = threads
+    if not spin:  # every path alike
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     size = sum(t.ByteSize() for t in model.graph.initializer)
     if size < (1 << 31) - (1 << 24):
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -291,6 +293,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--skip", default="", help=f"comma list of paths to leave out, from {PATHS}")
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--spin", choices=("on", "off"), default="on",
+                    help="ORT's intra-op thread spinning for every session (default on, ORT's default). With all "
+                         "of a config's sessions alive, spinning on gave every ~10th Run of the timed session "
+                         "~5 ms extra (E=8, 16 tokens: p90 8 ms vs 3 ms alone or with spinning off, RESULTS_cpu.md)")
     ap.add_argument("--error-budget", action="store_true",
                     help="print where the INT8 layer's error comes from (each INT8 rounding on / off in a float64 "
                          "W8A8 model, ort_ops.ops.moe_layer.moe_layer_w8a8) for --experts, then exit; no timing")
@@ -325,7 +331,7 @@ def main(argv=None):
                     continue
                 try:
                     model, custom = build(name, w, q, k)
-                    sess = session(model, args.threads, tmpdir, custom)
+                    sess = session(model, args.threads, tmpdir, custom, spin=args.spin == "on")
                     del model
                     errs[name] = ml.relative_l2(sess.run(None, feeds[check_t])[0], want)
                     sessions[name] = sess
