@@ -173,23 +173,24 @@ __device__ __forceinline__ int quant_code_rn(float s, float inv) {
 __device__ __forceinline__ float dequant(uint32_t acc, float xs, float2 w, int r) {
   return __fmul_rn(__fmul_rn(__int2float_rn(static_cast<int>(acc)), xs), (r & 1) ? w.y : w.x);
 }
-template <int NA>
-__device__ __forceinline__ float gate_value(const uint32_t (&acc)[NA], int j, int r, float xs,
-                                            float2 w) {
-  return dequant(acc[4 * j + r], xs, w, r);
-}
-
-// Dequantize, SwiGLU (S replaces the gate accumulators), per-row max of |S| over this thread's
-// valid columns (m0: row g, m1: row g + 8), non-finite C or S of valid rows noted. S is finite
-// iff C_gate, C_up and S all are (an Inf or NaN operand makes S Inf or NaN: exp_f32 clamps, and
-// 0 * Inf is NaN), so one test of S per element suffices: fmaf(S, 0, chk) turns chk into NaN
-// at the first non-finite S of the row.
-// NJ n8 column groups of gate accumulators (acc[0, 4 NJ)), then the matching up ones.
-template <bool FAST, int NJ = 16>
-__device__ __forceinline__ void swiglu_tile(uint32_t (&acc)[8 * NJ], const float* wsr, int col0,
-                                            int half, int t, float xs0, float xs1, bool ok0,
-                                            bool ok1, float& m0, float& m1, bool& nonfinite) {
+// Dequantize, SwiGLU (S replaces the gate accumulators: NJ n8 column groups acc[0, 4 NJ), the
+// matching up ones after them), per-row max of |S| over this thread's valid columns (m0: row g,
+// m1: row g + 8), non-finite C or S of valid rows noted. S is finite iff C_gate, C_up and S all
+// are (an Inf or NaN operand makes S Inf or NaN: exp_f32 clamps, and 0 * Inf is NaN), so one
+// test of S per element suffices: fmaf(S, 0, chk) turns chk into NaN at the first non-finite S.
+// Two passes: every element by the branch-free division, the raw gate accumulator kept (and a
+// bit set in `redo`) where the gate value is outside div_rn_fast's range; then, only in threads
+// with such elements, those elements again by the exact division (epi::swiglu_f32). So one
+// out-of-range value costs one exact element, where the previous per-thread choice sent all
+// 8 NJ elements of the thread (and stalled its warp) down the exact path.
+template <int NJ>
+__device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const float* wsr,
+                                                  int col0, int half, int t, float xs0, float xs1,
+                                                  bool ok0, bool ok1, float& m0, float& m1,
+                                                  bool& nonfinite) {
+  static_assert(4 * NJ <= 64, "one bit an element");
   float chk0 = 0.0f, chk1 = 0.0f;
+  uint64_t redo = 0;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
     const int col = col0 + 8 * j + 2 * t;
@@ -202,23 +203,47 @@ __device__ __forceinline__ void swiglu_tile(uint32_t (&acc)[8 * NJ], const float
         const float xs = hi ? xs1 : xs0;
         const float ca = dequant(acc[4 * j + r], xs, wa, r);
         const float cg = dequant(acc[4 * NJ + 4 * j + r], xs, wgt, r);
-        float v;
-        if constexpr (FAST)
-          v = __fmul_rn(div_rn_fast(ca, __fadd_rn(1.0f, epi::exp_f32(-ca))), cg);
-        else
-          v = epi::swiglu_f32(ca, cg);
-        acc[4 * j + r] = __float_as_uint(v);
+        const bool in = div_fast_ok(ca);
+        const float v = __fmul_rn(div_rn_fast(ca, __fadd_rn(1.0f, epi::exp_f32(-ca))), cg);
+        const float vk = in ? v : 0.0f;  // out-of-range elements join the max in pass 2
+        redo |= static_cast<uint64_t>(!in) << (4 * j + r);
+        acc[4 * j + r] = in ? __float_as_uint(v) : acc[4 * j + r];
         if (hi) {
-          m1 = fmaxf(m1, fabsf(v));
-          chk1 = __fmaf_rn(v, 0.0f, chk1);
+          m1 = fmaxf(m1, fabsf(vk));
+          chk1 = __fmaf_rn(vk, 0.0f, chk1);
         } else {
-          m0 = fmaxf(m0, fabsf(v));
-          chk0 = __fmaf_rn(v, 0.0f, chk0);
+          m0 = fmaxf(m0, fabsf(vk));
+          chk0 = __fmaf_rn(vk, 0.0f, chk0);
         }
       }
     } else {
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[4 * j + r] = 0u;
+    }
+  }
+  if (redo != 0) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if ((redo >> (4 * j + r)) & 1u) {
+          const int col = col0 + 8 * j + 2 * t;
+          const bool hi = r >> 1;
+          const float xs = hi ? xs1 : xs0;
+          const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col));
+          const float2 wgt = __ldg(reinterpret_cast<const float2*>(wsr + half + col));
+          const float v = epi::swiglu_f32(dequant(acc[4 * j + r], xs, wa, r),
+                                          dequant(acc[4 * NJ + 4 * j + r], xs, wgt, r));
+          acc[4 * j + r] = __float_as_uint(v);
+          if (hi) {
+            m1 = fmaxf(m1, fabsf(v));
+            chk1 = __fmaf_rn(v, 0.0f, chk1);
+          } else {
+            m0 = fmaxf(m0, fabsf(v));
+            chk0 = __fmaf_rn(v, 0.0f, chk0);
+          }
+        }
+      }
     }
   }
   if ((ok0 && chk0 != chk0) || (ok1 && chk1 != chk1)) nonfinite = true;
@@ -457,21 +482,7 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
       float m0 = 0.0f, m1 = 0.0f;
       bool nonfinite = false;
-      // Branch-free division when every gate value of this thread allows it (see div_rn_fast).
-      bool fast = true;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        if (col0 + 8 * j < half) {
-          const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col0 + 8 * j + 2 * t));
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            fast = fast && div_fast_ok(gate_value(acc, j, r, r >> 1 ? xs1 : xs0, wa));
-        }
-      }
-      if (fast)
-        swiglu_tile<true>(acc, wsr, col0, half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
-      else
-        swiglu_tile<false>(acc, wsr, col0, half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
+      swiglu_tile_mixed<16>(acc, wsr, col0, half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -658,25 +669,8 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
       const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
       float m00 = 0.0f, m01 = 0.0f, m10 = 0.0f, m11 = 0.0f;
       bool nonfinite = false;
-      bool fast = true;
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        if (col0 + 8 * jj < half) {
-          const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col0 + 8 * jj + 2 * t));
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            fast = fast && div_fast_ok(gate_value(acc0, jj, r, r >> 1 ? xs01 : xs00, wa));
-            fast = fast && div_fast_ok(gate_value(acc1, jj, r, r >> 1 ? xs11 : xs10, wa));
-          }
-        }
-      }
-      if (fast) {
-        swiglu_tile<true, 8>(acc0, wsr, col0, half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
-        swiglu_tile<true, 8>(acc1, wsr, col0, half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
-      } else {
-        swiglu_tile<false, 8>(acc0, wsr, col0, half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
-        swiglu_tile<false, 8>(acc1, wsr, col0, half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
-      }
+      swiglu_tile_mixed<8>(acc0, wsr, col0, half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
+      swiglu_tile_mixed<8>(acc1, wsr, col0, half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       float mx[4] = {m00, m01, m10, m11};
 #pragma unroll
