@@ -154,6 +154,9 @@ DECODE_CASES = [
     ([500, 77, 1], 16, 2, 64, 128),
     ([1300, 31], 8, 1, 128, 256),
     ([1025, 64, 3], 8, 2, 128, 64),  # the benchmark shape: two 32-key stages a block
+    # Blocks >= 64: two warps share each 64-key stage (each copies half of the V rows, whole rows);
+    # lengths that leave the second warp of the last pair without keys (2049, 129) or with a few.
+    ([2049, 95, 160, 129], 8, 2, 128, 128),
 ]
 
 
@@ -279,6 +282,20 @@ def test_bad_inputs_are_flagged_not_read(rng):
     cu = np.array([0, 2, 1], np.int32)  # not rising to T
     q2 = np.concatenate([query, query[:0]])
     assert _run(q2, cache, cu)[1] & 4
+
+
+@pytest.mark.parametrize("d,b", [(128, 64), (64, 128)])
+def test_bad_block_flagged_in_shared_stages(rng, d, b):
+    """Blocks >= 64 (the warp-decode stages two warps share): an out-of-range block id the
+    context needs is flagged, whether it holds many keys of a stage or only the sequence's last."""
+    query, cache, _ = _make_case(rng, [4 * b + 1, 3 * b], [1, 1], 8, 2, d, b, "float32", decode=True)
+    for s, blk in ((0, 4), (0, 1), (1, 2)):  # block 4 of sequence 0 holds only its last key
+        for bad_id in (10_000, -1):
+            bad = dict(cache)
+            bad["block_tables"] = cache["block_tables"].copy()
+            bad["block_tables"][s, blk] = bad_id
+            for split in (0, 1, 3):
+                assert _run(query, bad, None, num_splits=split)[1] & 1, (s, blk, bad_id, split)
 
 
 @pytest.mark.parametrize("d,b,msg", [(96, 16, "head_dim must be one of"), (64, 8, "block_size must be a power of two >= 16")])

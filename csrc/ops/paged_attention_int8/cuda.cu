@@ -723,8 +723,18 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
 //        its own keys 8t..8t+3 / 8t+4..8t+7 (the codes it just made), B is one 8-byte read of
 //        V row d at keys 8t..8t+7; every MMA's K set is the 32 keys of the stage = its group.
 // pv none: the same with W / max in fp16 on two m16n8k16 per stage (keys 8t..8t+3, 8t+4..8t+7).
+// Blocks of 64+ keys (VROWS): warps 2p and 2p+1 share each 64-key stage, so that V is copied as
+// whole 64-byte rows into a [D][64] slot (each warp copies half of the D rows, both halves of the
+// keys), each warp still computing only its own 32 keys; a named barrier per stage pairs them.
+// Why: a cp.async instruction becomes one L2 request per piece of a 128-byte line that is
+// contiguous in global AND shared memory. The per-warp [D][32] slot split every 64-byte V row of
+// a block-64 cache into two 32-byte pieces (or four, block 128), wherever they came from: ncu at
+// batch 32 / 16k, block 64: 28.1 M L2 requests and 40.0 M tag lookups against 15.5 M / 25.4 M at
+// block 32, the same 1.11 GB from DRAM; whole-row global reads into split 32-byte slots (a first
+// try) left them at 28.1 M. With the [D][64] slot: 15.5 M / 25.3 M, DRAM 81 -> 91 % busy, H200
+// 281.4 -> 256.5 us (32/16k), 77.6 -> 70.4 (32/4k), block 128 291.5 -> 274.3 us, one run.
 // Measured alternatives (H200, 32/16k, block 64): 64-key stages with 2 warps per CTA (each V row
-// of a block read in one piece) 372 us against 298 (half the warps per SM hide less latency).
+// of a block read in one piece) 372 us against 298 (v7: half the warps per SM hide less latency).
 template <int D, int DW_, int NS_>
 struct WCfg {
   static constexpr int DW = DW_;               // warps per CTA
@@ -757,7 +767,15 @@ struct WarpShape {
 };
 static_assert(WCfg<128, 4, 2>::MIN_BLOCKS == 3 && WCfg<64, 4, 3>::MIN_BLOCKS == 3, "three warp-decode CTAs per SM");
 
-template <int D, PvQuant PV, int DW_, int NS_>
+// Named barrier of warps 2p and 2p+1 (ids 1 and 2 as immediates: a register id makes ptxas
+// reserve all 16).
+__device__ __forceinline__ void pair_barrier(int warp) {
+  if (warp < 2)
+    asm volatile("bar.sync 1, 64;\n" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 64;\n" ::: "memory");
+}
+template <int D, PvQuant PV, int DW_, int NS_, bool VROWS>
 __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>::MIN_BLOCKS)
     decode_warp_kernel(PagedAttentionParams p, TileShape ts) {
   using C = WCfg<D, DW_, NS_>;
@@ -776,6 +794,19 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
   const int G = Hq / Hkv;
   unsigned char* ring = smem + warp * C::RING;
+  // VROWS: warps 2p and 2p+1 share NS pair slots in their two rings: V [D][64] first, then the two
+  // warps' K rows and scales. Row d of V keeps its two 32-key halves swapped when bit 1 of d is
+  // set, so that the 8-byte B reads of a half-warp (rows g = 0..3, one half) hit distinct banks;
+  // a 128-byte global line (rows d, d+1, d even) still lands in 128 contiguous bytes.
+  constexpr int PST = 2 * C::STAGE;
+  constexpr int PK_OFF = D * 64;
+  constexpr int PS_OFF = PK_OFF + 2 * 32 * C::KS;
+  static_assert(PS_OFF + 2 * 256 <= PST && (!VROWS || DW == 4), "pair slot; pairs are warps 0-1 and 2-3");
+  const int half = warp & 1;
+  unsigned char* sbase_ptr = VROWS ? smem + (warp >> 1) * 2 * C::RING : ring;
+  constexpr int SST = VROWS ? PST : C::STAGE;  // slot stride
+  const int kof = VROWS ? PK_OFF + half * 32 * C::KS : C::K_OFF;
+  const int sof = VROWS ? PS_OFF + half * 256 : C::SK_OFF;  // V scales at sof + 128
   float* wm = reinterpret_cast<float*>(smem + C::MISC);
   float* wl = wm + DW * 8;
   float* row_m = wl + DW * 8;
@@ -792,15 +823,17 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
 
   // This warp's stages: every DW-th 32-key stage of the split. (Pairs of consecutive stages per
   // warp, so that one warp reads both halves of a 64-key block's V rows back to back, measured
-  // the same on the H200: 297 us at 32/16k either way.)
+  // the same on the H200: 297 us at 32/16k either way for v7, 304 vs 303 us for v8.)
   auto kp0_of = [&](int li) { return k_lo + 32 * (warp + DW * li); };
+  // VROWS: warps 2p and 2p+1 share 64-key stage p + (DW / 2) li (so each still owns its kp0_of).
+  auto kpp_of = [&](int li) { return k_lo + 64 * ((warp >> 1) + (DW / 2) * li); };
   // Block ids: loaded raw (no check) NS stages ahead of use; the first NS before seq_len is known,
   // so that those loads and the seq_lens load are in flight together (decode at batch 1 is a
   // chain of dependent loads); checked where the stage is issued.
   const int32_t* bt = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
   const int lb = p.log2_block_size;
   auto raw_ids = [&](int li, int& r0, int& r1) {
-    const int kp0 = kp0_of(li);
+    const int kp0 = VROWS ? kpp_of(li) : kp0_of(li);
     r0 = kp0 < k_max ? bt[kp0 >> lb] : -1;
     r1 = B >= 32 ? r0 : (kp0 + 16 < k_max ? bt[(kp0 + 16) >> lb] : -1);
   };
@@ -831,6 +864,8 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int k_hi = min(k_lo + ts.ppc * partition, seq_len);
   const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
   const int nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;  // this warp's stages
+  const int nst64 = (k_hi - k_lo + 63) / 64;
+  const int nwp = VROWS ? (nst64 > (warp >> 1) ? (nst64 - (warp >> 1) + DW / 2 - 1) / (DW / 2) : 0) : nw;
 
   // ---- stage loads: data NS-1 stages ahead (cp.async) ----
   // Per-lane source offsets and shared-memory destinations are fixed for the whole loop; a stage
@@ -845,14 +880,49 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int vd = lane >> 1, vhalf = lane & 1;       // V chunk i: row vd + 16 i, keys 16 vhalf ..
   const int8_t* k_lane = p.key_cache + static_cast<int64_t>(h) * B * D + kkey * D + kpart * 16;
   const int8_t* v_lane = p.value_cache + (static_cast<int64_t>(h) * D + vd) * B;
-  const unsigned k_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + C::K_OFF + kkey * C::KS + kpart * 16;
+  const unsigned k_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + kof + kkey * C::KS + kpart * 16;
   const unsigned v_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + C::V_OFF + vd * 32 + 16 * vhalf;
   const int s_key = 4 * (lane & 7);  // scale chunk (lane < 16): keys s_key .. s_key + 3
   const float* s_lane = (lane >= 8 ? p.value_scale : p.key_scale) + static_cast<int64_t>(h) * B + (s_key & 15);
-  const unsigned s_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + (lane >= 8 ? C::SV_OFF : C::SK_OFF) + s_key * 4;
+  const unsigned s_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + sof + (lane >= 8 ? 128 : 0) + s_key * 4;
   const int vstep = 16 * B;
+  // VROWS V copies: lane (vr, vq) = (lane >> 2, lane & 3) copies bytes 16 vq .. 16 vq + 15 of rows
+  // d = half * D / 2 + vr + 8 i of the pair stage's V [D][64] (keys 0..31 are warp 2p's, 32..63
+  // warp 2p+1's), so that one instruction copies 8 whole 64-byte rows into 512 contiguous bytes.
+  const int vr = lane >> 2, vq = lane & 3;
+  const int8_t* vr_lane = p.value_cache + (static_cast<int64_t>(h) * D + half * (D / 2) + vr) * B + 16 * vq;
+  const unsigned vr_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + (half * (D / 2) + vr) * 64 +
+                          32 * ((vq >> 1) ^ ((vr >> 1) & 1)) + 16 * (vq & 1);
   auto issue = [&](int li, int slot, int r0, int r1) {
-    if (li < nw) {
+    if (VROWS) {
+      if (li < nwp) {
+        const unsigned so = slot * PST;
+        const int kpp = kpp_of(li);
+        const bool okb = static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
+        if (!okb) atomicOr(p.status, kPaBlockOutOfRange);  // li < nwp: the pair stage has live keys
+        const int b = okb ? r0 : 0;
+        const int8_t* vb = vr_lane + static_cast<int64_t>(b) * blk_stride + (kpp & (B - 1));
+#pragma unroll
+        for (int i = 0; i < NVC; ++i) cp_async16_s(vr_dst + so + 8 * i * 64, vb + i * (8 * B), okb);
+        if (li < nw) {
+          const int kp0 = kpp + 32 * half;
+          const bool ok1 = okb && kp0 + 16 < k_hi;
+          const int pos0 = kp0 & (B - 1);
+          const int8_t* kb0 = k_lane + static_cast<int64_t>(b) * blk_stride + pos0 * D;
+#pragma unroll
+          for (int i = 0; i < NKC / 2; ++i)
+            cp_async16_s(k_dst + so + (32 / KPR) * i * C::KS, kb0 + (32 / KPR) * i * D, okb);
+#pragma unroll
+          for (int i = 0; i < NKC / 2; ++i)
+            cp_async16_s(k_dst + so + (16 + (32 / KPR) * i) * C::KS, kb0 + (16 + (32 / KPR) * i) * D, ok1);
+          if (lane < 16) {
+            const bool hi = s_key >= 16;
+            const float* src = s_lane + static_cast<int64_t>(b) * (Hkv * B) + pos0 + (hi ? 16 : 0);
+            cp_async16_s(s_dst + so, src, hi ? ok1 : okb);
+          }
+        }
+      }
+    } else if (li < nw) {
       const unsigned so = slot * C::STAGE;
       const int kp0 = kp0_of(li);
       const bool hi_live = kp0 + 16 < k_hi;  // the stage's keys 16..31 exist
@@ -908,14 +978,27 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int krow0 = 8 * (g >> 1) + (g & 1);
 
   int wslot = NS - 1, rslot = 0;  // ring slots of the stage issued / consumed this iteration
-  for (int i = 0; i < nw; ++i) {
-    issue(i + NS - 1, wslot, nb0, nb1);
-    wslot = wslot == NS - 1 ? 0 : wslot + 1;
-    raw_ids(i + NS, nb0, nb1);
-    cp_async_wait<NS - 1>();  // stage i has landed
-    __syncwarp();
-    const unsigned char* st = ring + rslot * C::STAGE;
+  // VROWS: a pair slot is refilled only when both warps are done with it, so the refill follows
+  // the barrier that also makes the partner's copies of stage i visible.
+  const int v_lane_off = VROWS ? 32 * (half ^ ((g >> 1) & 1)) + 8 * t : 8 * t;
+  constexpr int VRS = VROWS ? 64 : 32;  // V row stride in the slot
+  for (int i = 0; i < nwp; ++i) {
+    if constexpr (VROWS) {
+      cp_async_wait<NS - 2>();  // this warp's part of stage i has landed
+      pair_barrier(warp);       // the partner's too, and both are done with stage i - 1's slot
+      issue(i + NS - 1, wslot, nb0, nb1);
+      wslot = wslot == NS - 1 ? 0 : wslot + 1;
+      raw_ids(i + NS, nb0, nb1);
+    } else {
+      issue(i + NS - 1, wslot, nb0, nb1);
+      wslot = wslot == NS - 1 ? 0 : wslot + 1;
+      raw_ids(i + NS, nb0, nb1);
+      cp_async_wait<NS - 1>();  // stage i has landed
+      __syncwarp();
+    }
+    const unsigned char* st = sbase_ptr + rslot * SST;
     rslot = rslot == NS - 1 ? 0 : rslot + 1;
+    if (VROWS && i >= nw) continue;  // the partner's last stage: this warp only copied V rows
     const int kp0 = kp0_of(i);
     const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
 
@@ -924,15 +1007,15 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t kw[QW];
-      load_words<D / 64>(st + C::K_OFF + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
+      load_words<D / 64>(st + kof + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) mma_i8<false>(acc[j], qa[2 * c], 0u, qa[2 * c + 1], 0u, kw[2 * c], kw[2 * c + 1]);
     }
-    const float4 sk0 = *reinterpret_cast<const float4*>(st + C::SK_OFF + 32 * t);
-    const float4 sk1 = *reinterpret_cast<const float4*>(st + C::SK_OFF + 32 * t + 16);
-    const float4 sv0 = *reinterpret_cast<const float4*>(st + C::SV_OFF + 32 * t);
-    const float4 sv1 = *reinterpret_cast<const float4*>(st + C::SV_OFF + 32 * t + 16);
+    const float4 sk0 = *reinterpret_cast<const float4*>(st + sof + 32 * t);
+    const float4 sk1 = *reinterpret_cast<const float4*>(st + sof + 32 * t + 16);
+    const float4 sv0 = *reinterpret_cast<const float4*>(st + sof + 128 + 32 * t);
+    const float4 sv1 = *reinterpret_cast<const float4*>(st + sof + 128 + 32 * t + 16);
     const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
     const float svv[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
     // Scores bit-identical to the reference's (same int32 dot, same float32 multiplies).
@@ -976,7 +1059,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     l_run = fmaf(beta, esum, l_run);
 
     // ---- P.V: codes of keys 8t..8t+7 are this lane's A slots; V row d read as 8 bytes ----
-    const unsigned char* v_sm = st + C::V_OFF;
+    const unsigned char* v_sm = st + (VROWS ? 0 : C::V_OFF) + v_lane_off;
     if constexpr (kF16) {
       uint32_t a[4];
 #pragma unroll
@@ -988,7 +1071,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
       const float gs = gmax * beta;
 #pragma unroll
       for (int jn = 0; jn < D / 8; ++jn) {
-        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * 32 + 8 * t);
+        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * VRS);
         uint32_t h0, h1, h2, h3;
         s8x4_to_half2x2(x.x, h0, h1);
         s8x4_to_half2x2(x.y, h2, h3);
@@ -1009,7 +1092,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
       const float gs = __fdiv_rn(gmax, kLevels) * beta;
 #pragma unroll
       for (int jn = 0; jn < D / 8; ++jn) {
-        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * 32 + 8 * t);
+        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * VRS);
         int pacc[4] = {0, 0, 0, 0};
         mma_i8<PV == PvQuant::kU8>(pacc, pk[0], 0u, pk[1], 0u, x.x, x.y);
         o[jn][0] = fmaf(gs, static_cast<float>(pacc[0]), o[jn][0]);
@@ -1255,7 +1338,9 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
 template <int D, PvQuant PV, int DW, int NS>
 cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int64_t ctas, cudaStream_t stream) {
   using C = WCfg<D, DW, NS>;
-  auto kernel = decode_warp_kernel<D, PV, DW, NS>;
+  // Shared 64-key stages need 64-aligned split starts (partitions are multiples of 32 only).
+  const bool vrows = p.block_size >= 64 && (ts.ppc * p.partition_size) % 64 == 0;
+  auto kernel = vrows ? decode_warp_kernel<D, PV, DW, NS, true> : decode_warp_kernel<D, PV, DW, NS, false>;
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::BYTES);
   if (attr != cudaSuccess) return attr;
   kernel<<<static_cast<unsigned>(ctas), 32 * DW, C::BYTES, stream>>>(p, ts);
