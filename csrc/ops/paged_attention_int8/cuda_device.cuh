@@ -1,0 +1,187 @@
+// SPDX-License-Identifier: MIT
+// PagedAttentionInt8 CUDA: device helpers shared by cuda.cu (general and decode kernels) and
+// cuda_prefill.cu (the prefill kernel): cp.async, the mma.sync wrappers, exact s8 -> fp16, the
+// exp and code-factor rules, warp reductions, Q quantization (bit-exact with quantize_rows) and
+// the output store. Internal linkage: each including .cu gets its own inline copies.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "ops/paged_attention_int8/cuda.cuh"
+
+namespace ort_ops {
+namespace {
+
+// 16-byte cp.async to a shared-memory address already converted (the warp decode loop keeps them).
+__device__ __forceinline__ void cp_async16_s(unsigned dst, const void* gmem, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+#endif
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16_s(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, valid);
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ---- tensor-core wrappers ----
+template <bool kU8>
+__device__ __forceinline__ void mma_i8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kU8) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// Four int8 codes -> two half2 (bytes 0,1 and 2,3), exactly: (b + 128) | 0x6400 is the half
+// 1024 + b + 128; subtracting 1152 leaves b.
+__device__ __forceinline__ void s8x4_to_half2x2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  const uint32_t u = x ^ 0x80808080u;
+  const uint32_t l = __byte_perm(u, 0x64646464u, 0x4140);
+  const uint32_t h = __byte_perm(u, 0x64646464u, 0x4342);
+  const __half2 bias = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+  __half2 lh = __hsub2(*reinterpret_cast<const __half2*>(&l), bias);
+  __half2 hh = __hsub2(*reinterpret_cast<const __half2*>(&h), bias);
+  lo = *reinterpret_cast<uint32_t*>(&lh);
+  hi = *reinterpret_cast<uint32_t*>(&hh);
+}
+
+// exp(x) as __expf computes it in the normal range (ex2.approx of x * log2 e), with results
+// below 2^-126 flushed to zero instead of __expf's extra range steps (~6 instructions an exp;
+// such a weight is a zero code either way).
+__device__ __forceinline__ float fast_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+// decode_warp_kernel: rescale O and l only when a row's max grows by more than this (natural
+// log; e^5.5 ~ 245).
+constexpr float kLazyRescale = 5.5f;
+
+// A P-V group's code factor L / max W, 0 for an all-zero group. It saturates at FLT_MAX: a group
+// whose max W is below L / FLT_MAX (~3.7e-37) would otherwise get inf, and 0 * inf would turn the
+// group's zero weights into NaN codes (DESIGN.md, "L / max saturates"; the reference does the same).
+__device__ __forceinline__ float code_inverse(float gmax, float levels) {
+  return gmax > 0.0f ? fminf(__fdiv_rn(levels, gmax), 3.402823466e38f) : 0.0f;
+}
+
+__device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of one g (t = 0..3)
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Four 32-bit words per 16-byte shared-memory read: w[0 .. 4N) from N consecutive uint4.
+template <int N>
+__device__ __forceinline__ void load_words(const unsigned char* src, uint32_t (&w)[4 * N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+    w[4 * i] = v.x;
+    w[4 * i + 1] = v.y;
+    w[4 * i + 2] = v.z;
+    w[4 * i + 3] = v.w;
+  }
+}
+
+// Loads lane quad index t's d slice (t * D/4 .. +D/4) of query row (token, head), zeros when
+// token < 0, and quantizes it bit-exactly as quantize_rows (the row's amax is reduced over the
+// 4 lanes of one g, so all 32 lanes must call): packed s8 codes in qa, the row scale in sq.
+// Returns false when the slice holds a NaN or Inf.
+template <int D>
+__device__ __forceinline__ bool quantize_q_slice(const PagedAttentionParams& p, int token, int head, int t,
+                                                 uint32_t (&qa)[D / 16], float& sq) {
+  float x[D / 4];
+  if (token >= 0) {
+    const int64_t base = (static_cast<int64_t>(token) * p.num_heads + head) * D + t * (D / 4);
+    if (p.query_fp16) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __half*>(p.query) + base);
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) {
+        const uint4 v = src[i];
+        const __half* hv = reinterpret_cast<const __half*>(&v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[8 * i + j] = __half2float(hv[j]);
+      }
+    } else {
+      const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.query) + base);
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        const float4 v = src[i];
+        x[4 * i] = v.x;
+        x[4 * i + 1] = v.y;
+        x[4 * i + 2] = v.z;
+        x[4 * i + 3] = v.w;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) x[i] = 0.0f;
+  }
+  float amax = 0.0f;
+  bool finite = true;
+#pragma unroll
+  for (int i = 0; i < D / 4; ++i) {
+    finite = finite && isfinite(x[i]);
+    amax = fmaxf(amax, fabsf(x[i]));
+  }
+  amax = warp_max4(amax);
+  const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  sq = __fdiv_rn(amax, 127.0f);
+#pragma unroll
+  for (int wd = 0; wd < D / 16; ++wd) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float q = fminf(fmaxf(rintf(__fmul_rn(x[4 * wd + b], inv)), -127.0f), 127.0f);
+      packed |= (static_cast<uint32_t>(static_cast<int>(q)) & 0xffu) << (8 * b);
+    }
+    qa[wd] = packed;
+  }
+  return finite;
+}
+
+// Writes (v0, v1) at element d of output row `row` (dtype of the query).
+__device__ __forceinline__ void store_out2(const PagedAttentionParams& p, int64_t row, int d, float v0, float v1) {
+  if (p.query_fp16)
+    *reinterpret_cast<__half2*>(static_cast<__half*>(p.output) + row * p.head_dim + d) = __floats2half2_rn(v0, v1);
+  else
+    *reinterpret_cast<float2*>(static_cast<float*>(p.output) + row * p.head_dim + d) = make_float2(v0, v1);
+}
+
+}  // namespace
+}  // namespace ort_ops
