@@ -11,7 +11,10 @@ Decode: batch 1 and 32, 32 query / 8 kv heads, head_dim 128, context 4k / 8k / 1
     read: INT8 K and V plus the two per-token float32 scales (ours), bf16 K and V (SDPA),
     against the measured copy ceiling 4.28 TB/s (../shared/GPU.md).
 Prefill with history: 512 new queries on 4k / 8k / 16k of history, batch 1 (INT8 P.V vs its
-    float twin: where the matrix units, not memory, bound the kernel).
+    float twin: where the matrix units, not memory, bound the kernel), on the 64-row prefill
+    kernel (rows ours-*) and on the general kernel (rows general-*, ORT_OPS_PA_PREFILL=general)
+    in the same process, alternated (--prefill-kernels, --rounds); TOP/s counts 4 ops per
+    (row, visible key, d) (Q.K and P.V multiply-adds).
 Peers in the same decode run, each optional (skipped with a printed reason where its package or
     the CUDA EP is missing):
     - FlashInfer BatchDecodeWithPagedKVCacheWrapper (tensor cores, NHD pages of --block tokens,
@@ -391,6 +394,10 @@ def bench_decode(args, writer, flush, gen):
 
 
 def bench_prefill(args, writer, flush, gen):
+    """Prefill with history: each pv mode on each kernel (--prefill-kernels: "prefill" = the
+    64-row kernel of cuda_prefill.cu, "general" = the general kernel, forced by the environment
+    variable ORT_OPS_PA_PREFILL=general, which the launcher reads at each launch), alternated over
+    --rounds rounds in one process; each row's median is over all its rounds' calls."""
     hq, hkv, d = args.hq, args.hkv, args.head_dim
     rows = []
     new = args.prefill_new
@@ -400,22 +407,56 @@ def bench_prefill(args, writer, flush, gen):
         q = (torch.randn((new, hq, d), device="cuda", generator=gen) * 2).half()
         cu = torch.tensor([0, new], dtype=torch.int32, device="cuda")
         ref = dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, 1.0 / math.sqrt(d), 1)
-        for pv in args.pv:
-            pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, cu, pv_quant=pv,
-                                      partition_size=args.partition, max_q_len=new)
-            out = pa()
-            st = pa.status()
-            rel = float((out.float() - ref).norm() / ref.norm())
-            t = time_gpu(pa, args.iters, flush)
+        runs = {}
+        for kernel in args.prefill_kernels:
+            for pv in args.pv:
+                with _prefill_kernel_env(kernel):
+                    pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, cu, pv_quant=pv,
+                                              partition_size=args.partition, max_q_len=new)
+                    pa.status_word.zero_()
+                    out = pa()
+                    st = pa.status()
+                rel = float((out.float() - ref).norm() / ref.norm())
+                runs[(kernel, pv)] = (pa, st, rel, [])
+        for _ in range(args.rounds):
+            for (kernel, pv), (pa, _st, _rel, times) in runs.items():
+                with _prefill_kernel_env(kernel):
+                    times += time_gpu(pa, args.iters, flush)
+        for (kernel, pv), (pa, st, rel, t) in runs.items():
             med = statistics.median(t)
             flops = 4.0 * new * hq * d * (hist + (new + 1) / 2)
-            rows.append({"mode": "prefill", "impl": f"ours-{pv}", "batch": 1, "context": hist, "splits": pa.nsplit,
-                             "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": flops / med / 1e6,
-                             "frac_copy": "", "rel_l2_vs_dequant": rel, "status": st})
+            impl = f"ours-{pv}" if kernel == "prefill" else f"general-{pv}"
+            rows.append({"mode": "prefill", "impl": impl, "batch": 1, "context": hist, "splits": pa.nsplit,
+                         "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": flops / med / 1e6,
+                         "frac_copy": "", "rel_l2_vs_dequant": rel, "status": st})
             writer(rows[-1])
-        del kc, vc, ks, vs
+        del kc, vc, ks, vs, runs
         torch.cuda.empty_cache()
+    # INT8 P.V against its float twin, same kernel, same run.
+    for kernel in args.prefill_kernels:
+        impl = "ours" if kernel == "prefill" else "general"
+        med = {(r["impl"], r["context"]): r["median_us"] for r in rows}
+        ratios = [f"{h}: {med[(f'{impl}-none', h)] / med[(f'{impl}-s8', h)]:.3f}x"
+                  for h in args.context if (f"{impl}-none", h) in med and (f"{impl}-s8", h) in med]
+        if ratios:
+            print(f"prefill {impl}: none / s8 = " + ", ".join(ratios), flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def _prefill_kernel_env(kernel):
+    """ORT_OPS_PA_PREFILL=general for the general kernel, unset for the prefill kernel."""
+    import os
+
+    old = os.environ.pop("ORT_OPS_PA_PREFILL", None)
+    if kernel == "general":
+        os.environ["ORT_OPS_PA_PREFILL"] = "general"
+    try:
+        yield
+    finally:
+        os.environ.pop("ORT_OPS_PA_PREFILL", None)
+        if old is not None:
+            os.environ["ORT_OPS_PA_PREFILL"] = old
 
 
 def main(argv=None) -> int:
@@ -431,6 +472,9 @@ def main(argv=None) -> int:
     ap.add_argument("--partition", type=int, default=256)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--prefill-new", type=int, default=512)
+    ap.add_argument("--prefill-kernels", nargs="+", default=["prefill", "general"], choices=["prefill", "general"],
+                    help="prefill rows: the 64-row prefill kernel and/or the general kernel (same run)")
+    ap.add_argument("--rounds", type=int, default=3, help="prefill: alternate the kernels and modes this often")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--csv", default=None)

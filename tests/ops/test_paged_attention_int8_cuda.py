@@ -423,3 +423,98 @@ def test_cuda_ep_decode_steps_with_cu_seqlens(cuda_ep, rng):
         assert _providers_of(sess, "PagedAttentionInt8") == {"CUDAExecutionProvider"}
         want, step = _ref(query, cache, cu, pv_quant="s8")
         _check_close(out, want, step, cache, "s8", "float16", f"ORT CUDA EP cu q_lens={q_lens}")
+
+
+# ---------------------------------------------------------------- prefill kernel (cuda_prefill.cu)
+# Launches with max_q_len * G >= 32, D 64 / 128 and G in {1, 2, 4, 8} run the 64-row prefill
+# kernel; ORT_OPS_PA_PREFILL=general forces the general kernel (read at each launch), so both
+# paths stay tested on the same shapes.
+
+PREFILL_CASES = [
+    # (q lens, history lens, Hq, Hkv, D, B): several sequences through cu_seqlens_q, partial last
+    # blocks and 32-key groups, a sequence with one new token on a long history, one without history.
+    ([70, 1, 33, 130], [300, 1000, 0, 61], 8, 2, 128, 64),     # G 4
+    ([129, 1, 40], [95, 700, 257], 32, 4, 128, 16),            # G 8, block 16
+    ([100, 17], [333, 1], 4, 4, 64, 32),                       # G 1, D 64, block 32
+    ([64, 3, 90], [64, 2000, 5], 4, 2, 64, 64),                # G 2, D 64
+    ([200], [1500], 8, 1, 128, 32),                            # G 8, one sequence, block 32
+    ([47, 66], [129, 450], 2, 2, 128, 128),                    # G 1, block 128
+]
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "general"])
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("case", PREFILL_CASES,
+                         ids=lambda c: f"q{'-'.join(map(str, c[0]))}-h{c[2]}x{c[3]}-d{c[4]}-b{c[5]}")
+def test_prefill_kernel_matches_reference(monkeypatch, rng, case, pv_quant, kernel):
+    q_lens, hist, hq, hkv, d, b = case
+    if kernel == "general":
+        monkeypatch.setenv("ORT_OPS_PA_PREFILL", "general")
+    lens = [q + h for q, h in zip(q_lens, hist)]
+    dtype = "float16" if rng.integers(2) else "float32"
+    query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, dtype, decode=False)
+    want, step = _ref(query, cache, cu, pv_quant=pv_quant)
+    # Splits 2 and 3 with partition 96: split starts that are not multiples of 64 (a stage then
+    # spans two blocks of 64).
+    for split, part in ((0, 256), (2, 256), (3, 96)):
+        got, status = _run(query, cache, cu, pv_quant=pv_quant, num_splits=split, partition_size=part)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype,
+                     f"{kernel} {dtype} splits={split} P={part}")
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("d,b", [(128, 64), (64, 16)])
+def test_prefill_extreme_scores(rng, d, b, pv_quant):
+    """Peaked softmax in prefill: scores up to ~+-400 (natural log), so most weights underflow,
+    the running max jumps by far more than the lazy-rescale threshold between stages, and whole
+    32-key groups weigh nothing next to their stage's max; against the reference, with splits."""
+    q_lens, hist, hq, hkv = [96, 40], [700, 90], 8, 2
+    lens = [q + h for q, h in zip(q_lens, hist)]
+    cuk = np.concatenate([[0], np.cumsum(lens)])
+    key = (rng.standard_normal((sum(lens), hkv, d)) * rng.uniform(0.1, 6.0, (sum(lens), hkv, 1))).astype(np.float32)
+    value = rng.standard_normal((sum(lens), hkv, d)).astype(np.float32)
+    ramp = np.concatenate([np.linspace(0.2, 3.0, n) for n in lens]).astype(np.float32)  # later keys larger
+    key *= ramp[:, None, None]
+    cache = build_paged_cache(key, value, cuk, b, rng)
+    query = (rng.standard_normal((sum(q_lens), hq, d)) * 12.0).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    want, step = _ref(query, cache, cu, pv_quant=pv_quant)
+    for split in (0, 3):
+        got, status = _run(query, cache, cu, pv_quant=pv_quant, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, pv_quant, "float32", f"splits={split}")
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "u8"])
+def test_prefill_code_factor_saturates_for_tiny_weights(rng, pv_quant):
+    """The tiny-W group of test_code_factor_saturates_for_tiny_weights with 20 query rows (G 2:
+    40 rows, the prefill kernel): the reference's exact group-0 sum."""
+    from tests.ops.test_paged_attention_int8 import tiny_w_group_case
+    ins, want = tiny_w_group_case(rng, q_rows=20)
+    cache = {k: ins[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale", "block_tables", "seq_lens")}
+    for split in (0, 2):
+        got, status = _run(ins["query"], cache, np.array([0, 20], np.int32), pv_quant=pv_quant, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("b", [16, 64])
+def test_prefill_bad_inputs_are_flagged(rng, b):
+    """The prefill kernel flags an out-of-range block id the context needs (also one holding only
+    the last key), a seq_len below the query count and a NaN query, as the general kernel does."""
+    q_lens, hist = [40, 20], [3 * b, 2 * b - 20]
+    lens = [q + h for q, h in zip(q_lens, hist)]
+    query, cache, cu = _make_case(rng, lens, q_lens, 8, 2, 128, b, "float32", decode=False)
+    last = (lens[0] - 1) // b
+    for s, blk in ((0, 1), (0, last), (1, 0)):
+        for bad_id in (10_000, -1):
+            bad = dict(cache, block_tables=cache["block_tables"].copy())
+            bad["block_tables"][s, blk] = bad_id
+            for split in (0, 3):
+                assert _run(query, bad, cu, num_splits=split)[1] & 1, (s, blk, bad_id, split)
+    bad = dict(cache, seq_lens=np.array([lens[0], 10], np.int32))  # 10 < 20 queries
+    assert _run(query, bad, cu)[1] & 2
+    q = query.copy()
+    q[45, 3, 7] = np.nan
+    assert _run(q, cache, cu)[1] & 8

@@ -1,16 +1,517 @@
 // SPDX-License-Identifier: MIT
-// PagedAttentionInt8 prefill kernel (64 rows per CTA): being written; until it lands, no launch
-// takes this path (paged_attention_prefill_applies is false) and the general kernel runs prefill.
+// PagedAttentionInt8 prefill kernel: 64 (query, q head) rows per CTA. Spec:
+// ort_ops/ops/paged_attention_int8.py; launcher contract: cuda.cuh; dispatch: cuda.cu's
+// launch_d_pv and tile_shape (paged_attention_prefill_applies below says which launches).
+//
+// Why a new kernel. The general kernel (cuda.cu, paged_attention_kernel) runs prefill with 16 rows
+// per CTA of 8 warps and four barrier-separated phases per 128-key stage (scores and codes go
+// through shared memory): ~70 TOP/s at 512 new tokens on 16k of history (H200), far from what the
+// matrix units can do, so INT8 P.V saves little against its float twin (1.07-1.09x). Here:
+//
+// CTA = 4 warps = one row tile (64 / G queries x the G q heads of one kv head; G in {1, 2, 4, 8})
+// x one kv head x one key split. Warp w owns rows 16w .. 16w+15 of the tile: row r is query r / G,
+// head r % G, so a warp holds 16 / G consecutive queries of all G heads. Why not one head per
+// warp: the causal limit of a warp is then its own 16 / G queries (its last stages are masked or
+// skipped on their own), and every G in {1, 2, 4, 8} maps the same way (G = 1: 16 queries).
+// The warps share each 64-key stage in shared memory: a 3-slot cp.async ring (two stages in
+// flight while one is computed), one __syncthreads per stage (it also frees the slot that the
+// stage's refill overwrites). A stage holds K (64 rows of D bytes, padded to D+16), V as one
+// [D][64] slot (whole 64-byte rows of a block-64 cache: each cp.async instruction copies 32
+// whole rows, so a 128-byte line is contiguous in global AND shared memory: one L2 request; the
+// 32-byte halves of row d swapped when bit 1 of d is set, so the 8-byte B reads of a half-warp
+// hit distinct banks, as decode_warp_kernel v9) and both per-token scales.
+// Per stage, each warp on its own (online softmax per row, scores, codes and O in registers):
+//   Q.K  m16n8k32 s8 with the warp's 16 rows as A (rows g and g+8 of lane (g, t)); 8 n-tiles
+//        of 8 keys. Column n of n-tile j (group j / 4, jj = j % 4) is key 32 (j / 4) +
+//        8 (n >> 1) + 2 jj + (n & 1): lane (g, t) accumulates keys 8t .. 8t+7 of each 32-key
+//        group for rows g and g+8 (decode_warp_kernel's permutation, fragments.py
+//        nvidia_qk_decode_keys), so softmax, W and the codes never leave its registers.
+//   softmax: the stage max per row (both groups), lazy rescaling of O and l (only when a row's
+//        max passes its reference by more than kLazyRescale), e = exp(s - m_stage), W = e * sV.
+//   P.V  per 32-key group (= one W scale group, its own max and code factor), m16n8k32 (s8 x s8
+//        or u8 x s8): A slots 4t..4t+3 / 16+4t.. of rows g / g+8 are the lane's own codes of
+//        keys 8t..8t+3 / 8t+4..8t+7, B is one 8-byte read of V row d at keys 8t..8t+7; every
+//        MMA's K set is exactly its group's 32 keys (the placement of
+//        fragments.nvidia_pv_placement_warp_decode, tests/test_fragments.py; the second row
+//        half only adds A rows, which the model's A table already covers).
+//   pv none: the float twin, the same with W / max in fp16 on two m16n8k16 per group and V
+//        codes converted to fp16 (exact): the two differ only in the P.V instruction.
+// Integer accumulators leave the tensor cores as floats without I2F (a quarter-rate conversion
+// on sm_80/90, 16 a clock per SM, which would bound this kernel): each integer MMA starts from
+// C = 0x4B400000 (the float 1.5 * 2^23), so for |sum| < 2^22 the result's bits are the float
+// 1.5 * 2^23 + sum and one FADD gives sum exactly (|Q.K| <= 127 * 128 * 128, |P.V| <= 255 * 128
+// * 32). Codes likewise: rint(min(W * L / max, L)) + 1.5 * 2^23 in one FADD holds the code in
+// its low byte (round half to even, as rintf), packed by PRMT. Scores, codes and group scales
+// are the same float32 operations as the reference's (bit-identical scores; codes equal up to
+// the exp's rounding, tests/tolerances.py).
+// Causal masking only on the stages that reach past the warp's first query; stages past its last
+// query are skipped. Keys are split across CTAs only when the row tiles do not fill the GPU
+// (cuda.cu's wave model; at 512 new tokens x 32 heads there are 256 CTAs, one split); splits
+// write O / l, m, l to the workspace and cuda.cu's merge kernel combines them.
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "ops/paged_attention_int8/cuda_device.cuh"
 #include "ops/paged_attention_int8/cuda_prefill.cuh"
 
 namespace ort_ops {
+namespace {
 
-bool paged_attention_prefill_applies(const PagedAttentionParams&) { return false; }
+constexpr float kPfNegInf = -__builtin_huge_valf();
+constexpr int kPfWarps = 4;
+constexpr int kPfThreads = 32 * kPfWarps;
+constexpr int kPfKeys = 64;                   // keys per stage
+constexpr uint32_t kMagic = 0x4B400000u;      // bits of 1.5 * 2^23
+constexpr float kMagicF = 12582912.0f;        // 1.5 * 2^23
 
-int paged_attention_prefill_ctas_per_sm(int) { return 1; }
+template <int D>
+struct PCfg {
+  static constexpr int NS = 3;                // ring slots
+  static constexpr int KS = D + 16;           // K row stride: 8-lane phases of 16-byte reads on distinct banks
+  static constexpr int V_OFF = 0;             // V [D][64]
+  static constexpr int K_OFF = D * kPfKeys;
+  static constexpr int SK_OFF = K_OFF + kPfKeys * KS;
+  static constexpr int SV_OFF = SK_OFF + kPfKeys * 4;
+  static constexpr int STAGE = SV_OFF + kPfKeys * 4;
+  static constexpr int BYTES = NS * STAGE;
+  // CTAs per SM: registers (launch bound) and shared memory (228 KB, 1 KB reserved per CTA).
+  static constexpr int MIN_BLOCKS = D <= 64 ? 3 : 2;
+  static_assert(MIN_BLOCKS * (BYTES + 1024) <= 233472, "resident prefill CTAs fit in shared memory");
+};
 
-cudaError_t launch_paged_attention_prefill(const PagedAttentionParams&, const PrefillTiling&, cudaStream_t) {
-  return cudaErrorNotSupported;
+// m16n8k32 s8/u8 x s8 with the accumulator input C given separately (here: the magic constant).
+template <bool kU8>
+__device__ __forceinline__ void mma_i8_c(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1, uint32_t c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kU8) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+  }
+#endif
+}
+
+// The exact value of an integer accumulator that started from kMagic (|sum| < 2^22).
+__device__ __forceinline__ float magic_value(int acc) { return __fsub_rn(__int_as_float(acc), kMagicF); }
+
+// Code rint(min(x, levels)) for x >= 0 in the low byte of the result (the FADD rounds half to even).
+__device__ __forceinline__ uint32_t code_bits(float x, float levels) {
+  return static_cast<uint32_t>(__float_as_int(__fadd_rn(fminf(x, levels), kMagicF)));
+}
+// Low bytes of four code words -> one packed word (byte k = code k).
+__device__ __forceinline__ uint32_t pack4(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+  return __byte_perm(__byte_perm(c0, c1, 0x0040), __byte_perm(c2, c3, 0x0040), 0x5410);
+}
+
+template <int D, PvQuant PV>
+__global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
+    prefill_kernel(PagedAttentionParams p, PrefillTiling tl) {
+  using C = PCfg<D>;
+  constexpr int NS = C::NS;
+  constexpr int QW = D / 16;            // words of a row's d slice per lane (D/4 bytes)
+  constexpr int KPR = D / 16;           // 16-byte chunks of one K row
+  constexpr int NKC = kPfKeys * KPR / kPfThreads;  // K chunks per thread per stage
+  constexpr int KSTEP = kPfThreads / KPR;          // keys between a thread's K chunks
+  constexpr int NVC = D * 4 / kPfThreads;          // V chunks per thread per stage
+  constexpr bool kF16 = PV == PvQuant::kNone;
+  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
+  static_assert(NKC >= 1 && NVC >= 1 && KSTEP % 16 == 0, "stage shape");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
+  const int G = Hq / Hkv;
+  const int lg = __ffs(G) - 1;  // G is a power of two (<= 8)
+
+  // ---- which work this CTA does: (sequence, kv head, split, row tile), row tile fastest ----
+  int64_t idx = blockIdx.x;
+  const int qtile = static_cast<int>(idx % tl.n_qt);
+  idx /= tl.n_qt;
+  const int split = static_cast<int>(idx % tl.nsplit);
+  idx /= tl.nsplit;
+  const int h = static_cast<int>(idx % Hkv);
+  const int s = static_cast<int>(idx / Hkv);
+  int q_start, q_len;
+  if (p.cu_seqlens_q != nullptr) {
+    q_start = p.cu_seqlens_q[s];
+    const int q_end = p.cu_seqlens_q[s + 1];
+    q_len = q_end - q_start;
+    const bool bad = q_start < 0 || q_len < 0 || q_end > p.num_tokens || q_len > p.max_q_len ||
+                     (s == 0 && q_start != 0) || (s == p.num_seqs - 1 && q_end != p.num_tokens);
+    if (bad) {
+      if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
+      return;
+    }
+  } else {
+    q_start = s;
+    q_len = 1;
+  }
+  const int q0 = qtile * tl.qpt;  // first query of the tile
+  if (q0 >= q_len) return;
+  const int seq_len = p.seq_lens[s];
+  const int partition = p.partition_size;
+  if (seq_len < q_len || seq_len > p.max_blocks * B ||
+      seq_len > static_cast<int64_t>(tl.nsplit) * tl.ppc * partition) {
+    if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
+    return;
+  }
+  const int q_last = min(q_len, q0 + tl.qpt) - 1;       // last query of the tile
+  const int first_pos = seq_len - q_len;                  // position of query 0
+  const int k_lo = split * tl.ppc * partition;            // this split's keys: [k_lo, k_hi)
+  const int k_hi = min(k_lo + tl.ppc * partition, first_pos + q_last + 1);
+  const int nst = k_hi > k_lo ? (k_hi - k_lo + kPfKeys - 1) / kPfKeys : 0;
+
+  // ---- this lane's two rows (g and g+8 of the warp's 16) ----
+  const int rows_used = tl.qpt << lg;
+  int qtok[2], qhead[2], lim[2];
+  int w_lo = 0x7fffffff, w_hi = 0;  // the warp's smallest and largest row limit (valid rows)
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    const int r = 16 * warp + g + 8 * ri;
+    const int qi = q0 + (r >> lg);
+    const bool ok = r < rows_used && qi < q_len;
+    qtok[ri] = ok ? q_start + qi : -1;
+    qhead[ri] = h * G + (r & (G - 1));
+    lim[ri] = ok ? min(first_pos + qi + 1, k_hi) : 0;
+    if (ok) {
+      w_lo = min(w_lo, lim[ri]);
+      w_hi = max(w_hi, lim[ri]);
+    }
+  }
+  w_lo = __reduce_min_sync(0xffffffffu, w_lo);
+  w_hi = __reduce_max_sync(0xffffffffu, w_hi);
+  // Rows past the tile see what the warp's last row sees (their q is zero; never written), so
+  // that they do not force the masked path.
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri)
+    if (qtok[ri] < 0) lim[ri] = w_hi;
+
+  // ---- stage copies ----
+  // Block ids of a stage's four 16-key chunks (B >= 16: a chunk is in one block; stages start at
+  // multiples of 32). Loaded raw one stage ahead of the copies, checked where issued.
+  const int32_t* bt = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
+  const int lb = p.log2_block_size;
+  auto raw_ids = [&](int j, int (&r)[4]) {
+    const int pos = k_lo + kPfKeys * j;
+    const bool live = j < nst;
+    // Chunks 0/1 and 2/3 share a block when B >= 32 (pos is a multiple of 32); all four when B >= 64
+    // and pos is a multiple of 64.
+    r[0] = live && pos < k_hi ? bt[pos >> lb] : -1;
+    r[1] = live && pos + 16 < k_hi ? (B >= 32 ? r[0] : bt[(pos + 16) >> lb]) : -1;
+    r[2] = live && pos + 32 < k_hi ? (B >= 64 && (pos & 63) == 0 ? r[0] : bt[(pos + 32) >> lb]) : -1;
+    r[3] = live && pos + 48 < k_hi ? (B >= 32 ? r[2] : bt[(pos + 48) >> lb]) : -1;
+  };
+  const int blk_stride = Hkv * B * D;  // bytes per cache block (K or V)
+  const int kkey = tid / KPR, kpart = tid % KPR;  // K chunk i: key kkey + KSTEP i
+  const int8_t* k_thr = p.key_cache + static_cast<int64_t>(h) * B * D + kpart * 16;
+  const unsigned smem_base = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned k_dst = smem_base + C::K_OFF + kkey * C::KS + kpart * 16;
+  // V chunk i: row vr + 32 i, keys 16 vq .. 16 vq + 15 (a 128-thread instruction = 32 whole rows).
+  const int vr = tid >> 2, vq = tid & 3;
+  const int8_t* v_thr = p.value_cache + (static_cast<int64_t>(h) * D + vr) * B;
+  const unsigned v_dst = smem_base + C::V_OFF + vr * 64 + 32 * ((vq >> 1) ^ ((vr >> 1) & 1)) + 16 * (vq & 1);
+  // Scales: threads 0..15 K scales, 16..31 V scales, 4 keys each.
+  const int s_key = 4 * (tid & 15);
+  const float* s_thr = (tid >= 16 ? p.value_scale : p.key_scale) + static_cast<int64_t>(h) * B;
+  const unsigned s_dst = smem_base + (tid >= 16 ? C::SV_OFF : C::SK_OFF) + s_key * 4;
+  auto issue = [&](int j, const int (&r)[4]) {
+    if (j < nst) {
+      const unsigned so = (j % NS) * C::STAGE;
+      const int pos = k_lo + kPfKeys * j;
+      bool ok[4];
+      int b[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool live = pos + 16 * c < k_hi;
+        ok[c] = static_cast<unsigned>(r[c]) < static_cast<unsigned>(p.num_blocks);
+        if (live && !ok[c]) atomicOr(p.status, kPaBlockOutOfRange);
+        b[c] = ok[c] ? r[c] : 0;
+      }
+      // Chunk c of the four by a run-time c without indexing a register array (local memory).
+      auto bsel = [&](int c) { return c & 2 ? (c & 1 ? b[3] : b[2]) : (c & 1 ? b[1] : b[0]); };
+      auto oksel = [&](int c) { return c & 2 ? (c & 1 ? ok[3] : ok[2]) : (c & 1 ? ok[1] : ok[0]); };
+#pragma unroll
+      for (int i = 0; i < NKC; ++i) {
+        const int key = kkey + KSTEP * i;
+        const int c = KSTEP == 16 ? i : (kkey >> 4) + (KSTEP / 16) * i;  // D 128: chunk i
+        const int8_t* src = k_thr + static_cast<int64_t>(bsel(c)) * blk_stride + ((pos + key) & (B - 1)) * D;
+        cp_async16_s(k_dst + so + KSTEP * i * C::KS, src, oksel(c));
+      }
+      {
+        const int8_t* src = v_thr + static_cast<int64_t>(bsel(vq)) * blk_stride + ((pos + 16 * vq) & (B - 1));
+        const bool okv = oksel(vq);
+#pragma unroll
+        for (int i = 0; i < NVC; ++i) cp_async16_s(v_dst + so + 32 * i * 64, src + 32 * i * B, okv);
+      }
+      if (tid < 32) {
+        const int c = s_key >> 4;
+        const float* src = s_thr + static_cast<int64_t>(bsel(c)) * (Hkv * B) + ((pos + s_key) & (B - 1));
+        cp_async16_s(s_dst + so, src, oksel(c));
+      }
+    }
+    cp_async_commit();  // empty past the last stage: wait_group keeps counting stages
+  };
+
+  int ids[4];
+#pragma unroll
+  for (int j = 0; j < NS - 1; ++j) {
+    raw_ids(j, ids);
+    issue(j, ids);
+  }
+  raw_ids(NS - 1, ids);
+
+  // ---- Q: this lane's d slice of rows g and g+8 (bit-exact with quantize_rows) ----
+  uint32_t qa[2][QW];
+  float sq[2];
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri)
+    if (!quantize_q_slice<D>(p, qtok[ri], qhead[ri], t, qa[ri], sq[ri])) atomicOr(p.status, kPaQueryNonFinite);
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m_run[2] = {kPfNegInf, kPfNegInf}, l_run[2] = {0.0f, 0.0f};
+  const float scale = p.scale;
+  const int krow0 = 8 * (g >> 1) + (g & 1);  // n-tile jj's B row (key) for this lane: krow0 + 2 jj
+  const int v_lane[2] = {g * 64 + 32 * (0 ^ ((g >> 1) & 1)) + 8 * t, g * 64 + 32 * (1 ^ ((g >> 1) & 1)) + 8 * t};
+
+  // One stage for this warp; MASK: some key of the stage is past some row's limit.
+  auto compute = [&](const unsigned char* st, int kp0, auto mask_tag) {
+    constexpr bool MASK = decltype(mask_tag)::value;
+    // ---- Q.K: lane (g, t) gets keys 32 grp + 8t .. +7 of rows g and g+8 ----
+    int acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t kw[QW];
+      load_words<D / 64>(st + C::K_OFF + (32 * (j >> 2) + krow0 + 2 * (j & 3)) * C::KS + t * (D / 4), kw);
+      mma_i8_c<false>(acc[j], qa[0][0], qa[1][0], qa[0][1], qa[1][1], kw[0], kw[1], kMagic);
+#pragma unroll
+      for (int c = 1; c < D / 32; ++c)
+        mma_i8<false>(acc[j], qa[0][2 * c], qa[1][2 * c], qa[0][2 * c + 1], qa[1][2 * c + 1], kw[2 * c], kw[2 * c + 1]);
+    }
+    float skv[16], svv[16];
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      const float* sk = reinterpret_cast<const float*>(st + C::SK_OFF) + 32 * grp + 8 * t;
+      const float* sv = reinterpret_cast<const float*>(st + C::SV_OFF) + 32 * grp + 8 * t;
+      const float4 k0 = reinterpret_cast<const float4*>(sk)[0], k1 = reinterpret_cast<const float4*>(sk)[1];
+      const float4 v0 = reinterpret_cast<const float4*>(sv)[0], v1 = reinterpret_cast<const float4*>(sv)[1];
+      const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+      const float vv[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        skv[8 * grp + k] = kk[k];
+        svv[8 * grp + k] = vv[k];
+      }
+    }
+    // Scores bit-identical to the reference's (same int32 dot, same float32 multiplies).
+    float sc[2][16];
+    float mp[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) {
+      const int lim_t = lim[ri] - kp0 - 8 * t;  // key 32 grp + 8t + k visible iff 32 grp + k < lim_t
+      mp[ri] = kPfNegInf;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int grp = i >> 3, k = i & 7;
+        const float v = ((magic_value(acc[4 * grp + (k >> 1)][2 * ri + (k & 1)]) * sq[ri]) * skv[i]) * scale;
+        sc[ri][i] = (!MASK || 32 * grp + k < lim_t) ? v : kPfNegInf;
+        mp[ri] = fmaxf(mp[ri], sc[ri][i]);
+      }
+      mp[ri] = warp_max4(mp[ri]);
+    }
+    // Lazy rescaling (decode_warp_kernel): O and l move to a new reference max only when some
+    // row's stage max passes it by more than kLazyRescale; codes do not depend on it.
+    if (__any_sync(0xffffffffu, mp[0] > m_run[0] + kLazyRescale || mp[1] > m_run[1] + kLazyRescale)) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        const float mn = fmaxf(m_run[ri], mp[ri]);
+        const float alpha = m_run[ri] == kPfNegInf ? 0.0f : fast_exp(m_run[ri] - mn);
+        m_run[ri] = mn;
+        l_run[ri] *= alpha;
+#pragma unroll
+        for (int jn = 0; jn < D / 8; ++jn) {
+          o[jn][2 * ri] *= alpha;
+          o[jn][2 * ri + 1] *= alpha;
+        }
+      }
+    }
+    float beta[2];
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) beta[ri] = mp[ri] == kPfNegInf ? 0.0f : fast_exp(mp[ri] - m_run[ri]);
+
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      float wv[2][8], gmax[2];
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) {
+        float esum = 0.0f;
+        gmax[ri] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const float x = sc[ri][8 * grp + k];
+          const float e = (!MASK || x != kPfNegInf) ? fast_exp(x - mp[ri]) : 0.0f;  // ex2.approx: a few ulp
+          esum += e;
+          wv[ri][k] = e * svv[8 * grp + k];
+          gmax[ri] = fmaxf(gmax[ri], wv[ri][k]);
+        }
+        gmax[ri] = warp_max4(gmax[ri]);
+        l_run[ri] = fmaf(beta[ri], esum, l_run[ri]);
+      }
+      const unsigned char* v_sm = st + C::V_OFF + v_lane[grp];
+      if constexpr (kF16) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const __half2 hv = __floats2half2_rn(gmax[ri] > 0.0f ? __fdiv_rn(wv[ri][2 * k], gmax[ri]) : 0.0f,
+                                                 gmax[ri] > 0.0f ? __fdiv_rn(wv[ri][2 * k + 1], gmax[ri]) : 0.0f);
+            a[ri][k] = *reinterpret_cast<const uint32_t*>(&hv);
+          }
+        }
+        const float gs0 = gmax[0] * beta[0], gs1 = gmax[1] * beta[1];
+#pragma unroll
+        for (int jn = 0; jn < D / 8; ++jn) {
+          const uint2 x = *reinterpret_cast<const uint2*>(v_sm + jn * 8 * 64);
+          uint32_t h0, h1, h2, h3;
+          s8x4_to_half2x2(x.x, h0, h1);
+          s8x4_to_half2x2(x.y, h2, h3);
+          float pacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_f16(pacc, a[0][0], a[1][0], a[0][1], a[1][1], h0, h1);  // keys 8t..8t+3
+          mma_f16(pacc, a[0][2], a[1][2], a[0][3], a[1][3], h2, h3);  // keys 8t+4..8t+7
+          o[jn][0] = fmaf(gs0, pacc[0], o[jn][0]);
+          o[jn][1] = fmaf(gs0, pacc[1], o[jn][1]);
+          o[jn][2] = fmaf(gs1, pacc[2], o[jn][2]);
+          o[jn][3] = fmaf(gs1, pacc[3], o[jn][3]);
+        }
+      } else {
+        uint32_t pk[2][2];
+        float gs[2];
+#pragma unroll
+        for (int ri = 0; ri < 2; ++ri) {
+          const float inv = code_inverse(gmax[ri], kLevels);
+          uint32_t cb[8];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) cb[k] = code_bits(__fmul_rn(wv[ri][k], inv), kLevels);
+          pk[ri][0] = pack4(cb[0], cb[1], cb[2], cb[3]);
+          pk[ri][1] = pack4(cb[4], cb[5], cb[6], cb[7]);
+          gs[ri] = __fdiv_rn(gmax[ri], kLevels) * beta[ri];
+        }
+#pragma unroll
+        for (int jn = 0; jn < D / 8; ++jn) {
+          const uint2 x = *reinterpret_cast<const uint2*>(v_sm + jn * 8 * 64);
+          int pacc[4];
+          mma_i8_c<PV == PvQuant::kU8>(pacc, pk[0][0], pk[1][0], pk[0][1], pk[1][1], x.x, x.y, kMagic);
+          o[jn][0] = fmaf(gs[0], magic_value(pacc[0]), o[jn][0]);
+          o[jn][1] = fmaf(gs[0], magic_value(pacc[1]), o[jn][1]);
+          o[jn][2] = fmaf(gs[1], magic_value(pacc[2]), o[jn][2]);
+          o[jn][3] = fmaf(gs[1], magic_value(pacc[3]), o[jn][3]);
+        }
+      }
+    }
+  };
+
+  for (int j = 0; j < nst; ++j) {
+    cp_async_wait<NS - 2>();  // this thread's copies of stage j have landed
+    __syncthreads();          // everyone's; and every warp is done with stage j - 1's slot
+    issue(j + NS - 1, ids);
+    raw_ids(j + NS, ids);
+    const int kp0 = k_lo + kPfKeys * j;
+    if (kp0 >= w_hi) continue;  // past every row of this warp (warp-uniform)
+    const unsigned char* st = smem + (j % NS) * C::STAGE;
+    if (kp0 + kPfKeys <= w_lo)
+      compute(st, kp0, std::false_type{});
+    else
+      compute(st, kp0, std::true_type{});
+  }
+  cp_async_wait<0>();
+
+  // ---- write O / l (and m, l for the split merge) ----
+#pragma unroll
+  for (int ri = 0; ri < 2; ++ri) {
+    float l = l_run[ri];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (qtok[ri] < 0) continue;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    const int64_t row = static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri];
+#pragma unroll
+    for (int jn = 0; jn < D / 8; ++jn) {
+      const int d = 8 * jn + 2 * t;
+      const float v0 = o[jn][2 * ri] * inv, v1 = o[jn][2 * ri + 1] * inv;
+      if (tl.nsplit == 1) {
+        store_out2(p, row, d, v0, v1);
+      } else {
+        float* ws = static_cast<float*>(p.workspace);
+        *reinterpret_cast<float2*>(ws + (row * tl.nsplit + split) * D + d) = make_float2(v0, v1);
+      }
+    }
+    if (tl.nsplit > 1 && t == 0) {
+      float2* ml = reinterpret_cast<float2*>(static_cast<float*>(p.workspace) +
+                                             static_cast<int64_t>(p.num_tokens) * Hq * tl.nsplit * D);
+      ml[row * tl.nsplit + split] = make_float2(m_run[ri], l);
+    }
+  }
+}
+
+template <int D, PvQuant PV>
+cudaError_t launch(const PagedAttentionParams& p, const PrefillTiling& tl, cudaStream_t stream) {
+  const int64_t ctas = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * tl.nsplit * tl.n_qt;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (ctas == 0) return cudaSuccess;
+  const cudaError_t attr =
+      cudaFuncSetAttribute(prefill_kernel<D, PV>, cudaFuncAttributeMaxDynamicSharedMemorySize, PCfg<D>::BYTES);
+  if (attr != cudaSuccess) return attr;
+  prefill_kernel<D, PV><<<static_cast<unsigned>(ctas), kPfThreads, PCfg<D>::BYTES, stream>>>(p, tl);
+  return cudaGetLastError();
+}
+
+template <int D>
+cudaError_t launch_d(const PagedAttentionParams& p, const PrefillTiling& tl, cudaStream_t stream) {
+  switch (p.pv_quant) {
+    case PvQuant::kS8: return launch<D, PvQuant::kS8>(p, tl, stream);
+    case PvQuant::kU8: return launch<D, PvQuant::kU8>(p, tl, stream);
+    case PvQuant::kNone: return launch<D, PvQuant::kNone>(p, tl, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+bool paged_attention_prefill_applies(const PagedAttentionParams& p) {
+  const char* force = std::getenv("ORT_OPS_PA_PREFILL");
+  if (force != nullptr && std::strcmp(force, "general") == 0) return false;
+  if (p.head_dim != 64 && p.head_dim != 128) return false;
+  if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return false;
+  const int G = p.num_heads / p.num_kv_heads;
+  if (G != 1 && G != 2 && G != 4 && G != 8) return false;
+  return static_cast<int64_t>(p.max_q_len) * G >= 32;
+}
+
+int paged_attention_prefill_ctas_per_sm(int head_dim) {
+  return head_dim <= 64 ? PCfg<64>::MIN_BLOCKS : PCfg<128>::MIN_BLOCKS;
+}
+
+cudaError_t launch_paged_attention_prefill(const PagedAttentionParams& p, const PrefillTiling& t, cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_d<64>(p, t, stream);
+    case 128: return launch_d<128>(p, t, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace ort_ops
