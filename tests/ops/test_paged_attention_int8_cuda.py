@@ -518,3 +518,27 @@ def test_prefill_bad_inputs_are_flagged(rng, b):
     q = query.copy()
     q[45, 3, 7] = np.nan
     assert _run(q, cache, cu)[1] & 8
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "general"])
+@pytest.mark.parametrize("pv_quant", ["s8", "none"])
+@pytest.mark.parametrize("b", [16, 64])
+def test_prefill_ignores_nan_scales_past_seq_len(monkeypatch, rng, b, pv_quant, kernel):
+    """Cache slots past a sequence's length (in its last block) may hold anything: NaN key and
+    value scales there must not reach the output (a kernel that copies whole blocks or chunks must
+    zero those weights, not multiply a zero probability by NaN)."""
+    if kernel == "general":
+        monkeypatch.setenv("ORT_OPS_PA_PREFILL", "general")
+    q_lens, hist = [50, 7], [3 * b + 5, 70]
+    lens = [q + h for q, h in zip(q_lens, hist)]
+    query, cache, cu = _make_case(rng, lens, q_lens, 8, 2, 128, b, "float32", decode=False)
+    for s, n in enumerate(lens):
+        last = cache["block_tables"][s, (n - 1) // b]
+        for name in ("key_scale", "value_scale"):
+            cache[name][last, :, (n - 1) % b + 1:] = np.nan
+    want, step = _ref(query, cache, cu, pv_quant=pv_quant)
+    finite = dict(cache, value_scale=np.nan_to_num(cache["value_scale"]))  # for the bound only
+    for split in (0, 3):
+        got, status = _run(query, cache, cu, pv_quant=pv_quant, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, finite, pv_quant, "float32", f"{kernel} splits={split}")

@@ -227,8 +227,37 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
   const int s_key = 4 * (tid & 15);
   const float* s_thr = (tid >= 16 ? p.value_scale : p.key_scale) + static_cast<int64_t>(h) * B;
   const unsigned s_dst = smem_base + (tid >= 16 ? C::SV_OFF : C::SK_OFF) + s_key * 4;
+  // Blocks of 64+ keys with 64-aligned stages (split starts): each stage lies in one block, so one
+  // id, one check and immediate offsets (B 64 at compile time: the V row stride too). Keys past
+  // k_hi in that block are copied as they are (a block the context needs); compute() masks them.
+  const bool whole = B >= 64 && (k_lo & 63) == 0;
+  const int8_t* k_whole = k_thr + kkey * D;
+  const int8_t* v_whole = v_thr + 16 * vq;
+  const float* s_whole = s_thr + s_key;
+  auto issue_whole = [&](unsigned so, int pos, int r0, auto b_tag) {
+    constexpr int BC = decltype(b_tag)::value;  // 0: B at run time
+    const int Bv = BC ? BC : B;
+    const bool ok = static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
+    if (!ok) atomicOr(p.status, kPaBlockOutOfRange);  // pos < k_hi: the block is needed
+    const int b = ok ? r0 : 0;
+    const int off = pos & (Bv - 1);
+    const int8_t* kb = k_whole + static_cast<int64_t>(b) * blk_stride + off * D;
+#pragma unroll
+    for (int i = 0; i < NKC; ++i) cp_async16_s(k_dst + so + KSTEP * i * C::KS, kb + KSTEP * i * D, ok);
+    const int8_t* vb = v_whole + static_cast<int64_t>(b) * blk_stride + off;
+#pragma unroll
+    for (int i = 0; i < NVC; ++i) cp_async16_s(v_dst + so + 32 * i * 64, vb + 32 * i * Bv, ok);
+    if (tid < 32) cp_async16_s(s_dst + so, s_whole + static_cast<int64_t>(b) * (Hkv * Bv) + off, ok);
+  };
   auto issue = [&](int j, const int (&r)[4]) {
-    if (j < nst) {
+    if (j < nst && whole) {
+      const unsigned so = (j % NS) * C::STAGE;
+      const int pos = k_lo + kPfKeys * j;
+      if (B == 64)
+        issue_whole(so, pos, r[0], std::integral_constant<int, 64>{});
+      else
+        issue_whole(so, pos, r[0], std::integral_constant<int, 0>{});
+    } else if (j < nst) {
       const unsigned so = (j % NS) * C::STAGE;
       const int pos = k_lo + kPfKeys * j;
       bool ok[4];
@@ -363,9 +392,11 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float x = sc[ri][8 * grp + k];
-          const float e = (!MASK || x != kPfNegInf) ? fast_exp(x - mp[ri]) : 0.0f;  // ex2.approx: a few ulp
+          // Masked keys: W = 0 whatever their scale slot holds (past seq_len it may be anything).
+          const bool vis = !MASK || x != kPfNegInf;
+          const float e = vis ? fast_exp(x - mp[ri]) : 0.0f;  // ex2.approx: a few ulp
           esum += e;
-          wv[ri][k] = e * svv[8 * grp + k];
+          wv[ri][k] = vis ? e * svv[8 * grp + k] : 0.0f;
           gmax[ri] = fmaxf(gmax[ri], wv[ri][k]);
         }
         gmax[ri] = warp_max4(gmax[ri]);
