@@ -87,8 +87,7 @@ class PagedAttention:
                                                                 ctypes.byref(nsplit))
         self.nsplit = nsplit.value
         dev = query.device
-        # zeros: the decode kernel's split counters at its end must start at zero (cuda.cuh)
-        self.workspace = torch.zeros(max(int(ws), 16), dtype=torch.uint8, device=dev)
+        self.workspace = torch.empty(max(int(ws), 16), dtype=torch.uint8, device=dev)
         self.status_word = torch.zeros(1, dtype=torch.int32, device=dev)
         self.out = out if out is not None else torch.empty_like(query)
         self.msg = ctypes.create_string_buffer(256)
