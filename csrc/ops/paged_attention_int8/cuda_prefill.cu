@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
   float m_run[2] = {kPfNegInf, kPfNegInf}, l_run[2] = {0.0f, 0.0f};
   const float scale = p.scale;
   const int krow0 = 8 * (g >> 1) + (g & 1);  // n-tile jj's B row (key) for this lane: krow0 + 2 jj
-  const int v_lane[2] = {g * 64 + 32 * (0 ^ ((g >> 1) & 1)) + 8 * t, g * 64 + 32 * (1 ^ ((g >> 1) & 1)) + 8 * t};
+  const int v_lane[2] = {g * 64 + 32 * ((g >> 1) & 1) + 8 * t, g * 64 + 32 * (1 ^ ((g >> 1) & 1)) + 8 * t};
 
   // One stage for this warp; MASK: some key of the stage is past some row's limit.
   auto compute = [&](const unsigned char* st, int kp0, auto mask_tag) {
@@ -382,75 +382,98 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) beta[ri] = mp[ri] == kPfNegInf ? 0.0f : fast_exp(mp[ri] - m_run[ri]);
 
+    // Both groups' weights first, so that their four max reductions are in flight together; then
+    // the codes; then the two groups' P.V MMAs interleaved (independent chains side by side).
+    float wv[2][2][8], gmax[2][2], esum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int grp = 0; grp < 2; ++grp) {
-      float wv[2][8], gmax[2];
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
-        float esum = 0.0f;
-        gmax[ri] = 0.0f;
+        gmax[grp][ri] = 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const float x = sc[ri][8 * grp + k];
           // Masked keys: W = 0 whatever their scale slot holds (past seq_len it may be anything).
           const bool vis = !MASK || x != kPfNegInf;
           const float e = vis ? fast_exp(x - mp[ri]) : 0.0f;  // ex2.approx: a few ulp
-          esum += e;
-          wv[ri][k] = vis ? e * svv[8 * grp + k] : 0.0f;
-          gmax[ri] = fmaxf(gmax[ri], wv[ri][k]);
+          esum[ri] += e;
+          wv[grp][ri][k] = vis ? e * svv[8 * grp + k] : 0.0f;
+          gmax[grp][ri] = fmaxf(gmax[grp][ri], wv[grp][ri][k]);
         }
-        gmax[ri] = warp_max4(gmax[ri]);
-        l_run[ri] = fmaf(beta[ri], esum, l_run[ri]);
       }
-      const unsigned char* v_sm = st + C::V_OFF + v_lane[grp];
-      if constexpr (kF16) {
-        uint32_t a[2][4];
+    }
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+#pragma unroll
+      for (int ri = 0; ri < 2; ++ri) gmax[grp][ri] = warp_max4(gmax[grp][ri]);
+    }
+#pragma unroll
+    for (int ri = 0; ri < 2; ++ri) l_run[ri] = fmaf(beta[ri], esum[ri], l_run[ri]);
+    const unsigned char* v_sm0 = st + C::V_OFF + v_lane[0];
+    const unsigned char* v_sm1 = st + C::V_OFF + v_lane[1];
+    if constexpr (kF16) {
+      uint32_t a[2][2][4];
+      float gs[2][2];
+#pragma unroll
+      for (int grp = 0; grp < 2; ++grp) {
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
+          const float gm = gmax[grp][ri];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const __half2 hv = __floats2half2_rn(gmax[ri] > 0.0f ? __fdiv_rn(wv[ri][2 * k], gmax[ri]) : 0.0f,
-                                                 gmax[ri] > 0.0f ? __fdiv_rn(wv[ri][2 * k + 1], gmax[ri]) : 0.0f);
-            a[ri][k] = *reinterpret_cast<const uint32_t*>(&hv);
+            const __half2 hv = __floats2half2_rn(gm > 0.0f ? __fdiv_rn(wv[grp][ri][2 * k], gm) : 0.0f,
+                                                 gm > 0.0f ? __fdiv_rn(wv[grp][ri][2 * k + 1], gm) : 0.0f);
+            a[grp][ri][k] = *reinterpret_cast<const uint32_t*>(&hv);
           }
+          gs[grp][ri] = gm * beta[ri];
         }
-        const float gs0 = gmax[0] * beta[0], gs1 = gmax[1] * beta[1];
+      }
 #pragma unroll
-        for (int jn = 0; jn < D / 8; ++jn) {
-          const uint2 x = *reinterpret_cast<const uint2*>(v_sm + jn * 8 * 64);
+      for (int jn = 0; jn < D / 8; ++jn) {
+#pragma unroll
+        for (int grp = 0; grp < 2; ++grp) {
+          const uint2 x = *reinterpret_cast<const uint2*>((grp ? v_sm1 : v_sm0) + jn * 8 * 64);
           uint32_t h0, h1, h2, h3;
           s8x4_to_half2x2(x.x, h0, h1);
           s8x4_to_half2x2(x.y, h2, h3);
           float pacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_f16(pacc, a[0][0], a[1][0], a[0][1], a[1][1], h0, h1);  // keys 8t..8t+3
-          mma_f16(pacc, a[0][2], a[1][2], a[0][3], a[1][3], h2, h3);  // keys 8t+4..8t+7
-          o[jn][0] = fmaf(gs0, pacc[0], o[jn][0]);
-          o[jn][1] = fmaf(gs0, pacc[1], o[jn][1]);
-          o[jn][2] = fmaf(gs1, pacc[2], o[jn][2]);
-          o[jn][3] = fmaf(gs1, pacc[3], o[jn][3]);
+          const uint32_t(&ag)[2][4] = a[grp];
+          mma_f16(pacc, ag[0][0], ag[1][0], ag[0][1], ag[1][1], h0, h1);  // keys 8t..8t+3
+          mma_f16(pacc, ag[0][2], ag[1][2], ag[0][3], ag[1][3], h2, h3);  // keys 8t+4..8t+7
+          o[jn][0] = fmaf(gs[grp][0], pacc[0], o[jn][0]);
+          o[jn][1] = fmaf(gs[grp][0], pacc[1], o[jn][1]);
+          o[jn][2] = fmaf(gs[grp][1], pacc[2], o[jn][2]);
+          o[jn][3] = fmaf(gs[grp][1], pacc[3], o[jn][3]);
         }
-      } else {
-        uint32_t pk[2][2];
-        float gs[2];
+      }
+    } else {
+      uint32_t pk[2][2][2];
+      float gs[2][2];
+#pragma unroll
+      for (int grp = 0; grp < 2; ++grp) {
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
-          const float inv = code_inverse(gmax[ri], kLevels);
+          const float inv = code_inverse(gmax[grp][ri], kLevels);
           uint32_t cb[8];
 #pragma unroll
-          for (int k = 0; k < 8; ++k) cb[k] = code_bits(__fmul_rn(wv[ri][k], inv), kLevels);
-          pk[ri][0] = pack4(cb[0], cb[1], cb[2], cb[3]);
-          pk[ri][1] = pack4(cb[4], cb[5], cb[6], cb[7]);
-          gs[ri] = __fdiv_rn(gmax[ri], kLevels) * beta[ri];
+          for (int k = 0; k < 8; ++k) cb[k] = code_bits(__fmul_rn(wv[grp][ri][k], inv), kLevels);
+          pk[grp][ri][0] = pack4(cb[0], cb[1], cb[2], cb[3]);
+          pk[grp][ri][1] = pack4(cb[4], cb[5], cb[6], cb[7]);
+          gs[grp][ri] = __fdiv_rn(gmax[grp][ri], kLevels) * beta[ri];
         }
+      }
 #pragma unroll
-        for (int jn = 0; jn < D / 8; ++jn) {
-          const uint2 x = *reinterpret_cast<const uint2*>(v_sm + jn * 8 * 64);
+      for (int jn = 0; jn < D / 8; ++jn) {
+#pragma unroll
+        for (int grp = 0; grp < 2; ++grp) {
+          const uint2 x = *reinterpret_cast<const uint2*>((grp ? v_sm1 : v_sm0) + jn * 8 * 64);
           int pacc[4];
-          mma_i8_c<PV == PvQuant::kU8>(pacc, pk[0][0], pk[1][0], pk[0][1], pk[1][1], x.x, x.y, kMagic);
-          o[jn][0] = fmaf(gs[0], magic_value(pacc[0]), o[jn][0]);
-          o[jn][1] = fmaf(gs[0], magic_value(pacc[1]), o[jn][1]);
-          o[jn][2] = fmaf(gs[1], magic_value(pacc[2]), o[jn][2]);
-          o[jn][3] = fmaf(gs[1], magic_value(pacc[3]), o[jn][3]);
+          mma_i8_c<PV == PvQuant::kU8>(pacc, pk[grp][0][0], pk[grp][1][0], pk[grp][0][1], pk[grp][1][1], x.x, x.y,
+                                       kMagic);
+          o[jn][0] = fmaf(gs[grp][0], magic_value(pacc[0]), o[jn][0]);
+          o[jn][1] = fmaf(gs[grp][0], magic_value(pacc[1]), o[jn][1]);
+          o[jn][2] = fmaf(gs[grp][1], magic_value(pacc[2]), o[jn][2]);
+          o[jn][3] = fmaf(gs[grp][1], magic_value(pacc[3]), o[jn][3]);
         }
       }
     }
