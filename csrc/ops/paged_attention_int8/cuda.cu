@@ -1129,7 +1129,8 @@ bool use_warp_decode(const PagedAttentionParams& p) {
 TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
   TileShape ts;
   const int G = p.num_heads / p.num_kv_heads;
-  // Prefill shapes of cuda_prefill.cu (D 64 / 128, G <= 8): 64 rows a CTA, all G heads of 64 / G queries.
+  // Prefill shapes of cuda_prefill.cu (D 64 / 128, G in {1, 2, 4, 8}, max_q_len * G >= 32): 64 rows a
+  // CTA, all G heads of 64 / G queries. D 256, other G and fewer rows keep the general kernel.
   const bool prefill = !warp_decode && paged_attention_prefill_applies(p);
   ts.hpt = warp_decode || prefill ? G : std::min(G, kRows);
   ts.n_ht = warp_decode || prefill ? 1 : (G + kRows - 1) / kRows;
