@@ -36,6 +36,9 @@
 //        half only adds A rows, which the model's A table already covers).
 //   pv none: the float twin, the same with W / max in fp16 on two m16n8k16 per group and V
 //        codes converted to fp16 (exact): the two differ only in the P.V instruction.
+//   Order: both groups' W and max reductions, then both groups' codes, then their P.V MMAs
+//        interleaved per output n-tile (independent chains side by side: the kernel is latency
+//        bound, see below; 615 -> 603 us s8, 1018 -> 946 us none against group after group).
 // Integer accumulators leave the tensor cores as floats without I2F (a quarter-rate conversion
 // on sm_80/90, 16 a clock per SM, which would bound this kernel): each integer MMA starts from
 // C = 0x4B400000 (the float 1.5 * 2^23), so for |sum| < 2^22 the result's bits are the float
@@ -48,6 +51,14 @@
 // query are skipped. Keys are split across CTAs only when the row tiles do not fill the GPU
 // (cuda.cu's wave model; at 512 new tokens x 32 heads there are 256 CTAs, one split); splits
 // write O / l, m, l to the workspace and cuda.cu's merge kernel combines them.
+// Measured (H200, 512 new tokens, 32 q / 8 kv heads, D 128, block 64; benchmarks/NOTES_attention_
+// cuda.md "Prefill kernel (session 4)"): s8 173 / 316 / 602 us at 4k / 8k / 16k of history
+// (210-232 TOP/s; the general kernel 538 / 999 / 1920), none 269 / 495 / 945: INT8 P.V 1.55-1.57x
+// over its float twin. Not matrix-bound: ncu at 16k (s8) shows the IMMA pipe 12 % busy, issue
+// 55 % active with 2 warps per scheduler (225 registers: 2 CTAs per SM, and 256 CTAs are all
+// there is at this shape), stalls mostly 'wait' (fixed-latency dependencies) and short
+// scoreboard; ~1200 instructions per warp per stage against 64 IMMA. INT8 wins by instructions:
+// the float twin executes 1.38x as many (V to fp16, the W / max divisions, twice the MMAs).
 #include <cuda_fp16.h>
 
 #include <cstdint>
