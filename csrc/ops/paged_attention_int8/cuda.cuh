@@ -60,7 +60,10 @@ struct PagedAttentionParams {
   int partition_size = 256;  // multiple of 32; the unit in which keys are split across CTAs (speed only)
   int num_splits = 0;        // CTAs per (row tile, kv head) along the keys; 0: chosen here
   void* workspace = nullptr;  // paged_attention_workspace_bytes(...) bytes, 16-byte aligned
-  int* status = nullptr;      // required
+  // Required: where the kernels OR their status bits, device memory or pinned host memory mapped
+  // into the device (cudaHostAllocMapped; the CUDA op's choice: no memset or copy node per Run).
+  // The kernels only write it, and only on bad input.
+  int* status = nullptr;
   // With cu_seqlens_q, T == S and max_q_len 1: take cu_seqlens_q as "probably one query per
   // sequence" and run the decode kernel (row cu_seqlens_q[s] for sequence s). A sequence whose
   // count is not 1 sets kPaNotOneQueryEach instead of being computed (see above). Real models
