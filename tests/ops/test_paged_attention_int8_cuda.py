@@ -542,3 +542,67 @@ def test_prefill_ignores_nan_scales_past_seq_len(monkeypatch, rng, b, pv_quant, 
         got, status = _run(query, cache, cu, pv_quant=pv_quant, num_splits=split)
         assert status == 0, _cuda.PA_STATUS.get(status, status)
         _check_close(got.cpu().numpy(), want, step, finite, pv_quant, "float32", f"{kernel} splits={split}")
+
+
+# ---------------------------------------------------------------- many splits; the op's status word
+
+@pytest.mark.parametrize("pv_quant", ["s8", "none"])
+def test_decode_many_splits(rng, pv_quant):
+    """Decode with 32-key partitions split 64 and 66 ways (and 40 / 3 / auto): the merge kernel's
+    batches of splits, split starts that are and are not 64-aligned (the shared 64-key stages and
+    the per-warp ones), against the reference; the same launch three times over one workspace with
+    the output poisoned in between, so that a merge reading a stale partial would show."""
+    hq, hkv, d, b = 8, 2, 128, 64
+    for lens, splits in (([2048, 700, 33], (64, 40, 3, 0)), ([2100, 65, 1], (66, 64))):
+        query, cache, _ = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, "float16", decode=True)
+        want, step = _ref(query, cache, None, pv_quant=pv_quant, partition_size=32)
+        args = [_dev(query)] + [_dev(cache[k]) for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                                         "block_tables", "seq_lens")]
+        for split in splits:
+            pa = _cuda.PagedAttention(*args, pv_quant=pv_quant, partition_size=32, num_splits=split)
+            pa.status_word.zero_()
+            for rep in range(3):
+                pa.out.fill_(float("nan"))
+                pa()
+                assert pa.status() == 0
+                _check_close(pa.out.cpu().numpy(), want, step, cache, pv_quant, "float16",
+                             f"lens {lens} splits {split} ({pa.nsplit}) launch {rep}")
+
+
+def test_status_word_in_mapped_host_memory(rng):
+    """The CUDA op keeps its status word in pinned host memory that the kernels write through the
+    device mapping (no memset, no copy back; cuda_op.cc): bad block ids, seq_lens and a non-finite
+    query set their bits there from many CTAs at once (splits 0 / 3 / 16), and a good launch
+    leaves it 0."""
+    query, cache, _ = _make_case(rng, [3000, 700], [1, 1], 8, 2, 128, 64, "float32", decode=True)
+    args = [_dev(query)] + [_dev(cache[k]) for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                                     "block_tables", "seq_lens")]
+    word = torch.zeros(1, dtype=torch.int32).pin_memory()  # mapped: unified addressing
+
+    def status_of(a, split):
+        pa = _cuda.PagedAttention(*a, num_splits=split)
+        pa.status_word = word
+        word.zero_()
+        pa()
+        torch.cuda.synchronize()
+        return int(word.item())
+
+    bad_bt = cache["block_tables"].copy()
+    bad_bt[0, 3:40] = 10_000
+    bad_bt[1, 5] = -1
+    bad_sl = np.array([3000, cache["block_tables"].shape[1] * 64 + 1], np.int32)
+    q_nan = query.copy()
+    q_nan[1, 3, 7] = np.nan
+    for split in (0, 3, 16):
+        assert status_of(args, split) == 0
+        a = list(args)
+        a[5] = _dev(bad_bt)
+        assert status_of(a, split) == 1
+        a = list(args)
+        a[6] = _dev(bad_sl)
+        assert status_of(a, split) == 2
+        a = list(args)
+        a[0] = _dev(q_nan)
+        assert status_of(a, split) == 8
+        a[5] = _dev(bad_bt)
+        assert status_of(a, split) == 9
