@@ -26,7 +26,10 @@ Peers in the same decode run, each optional (skipped with a printed reason where
     - ours as an ORT session too (PagedAttentionInt8 from the library on the CUDA EP, --ort-pv),
       so that the two ORT rows compare session against session: both are wall time of
       `run_with_iobinding` on device-bound inputs and outputs (L2 flushed before each call), which
-      includes ORT's per-Run overhead (about 45 us, ../shared/GPU.md).
+      includes ORT's per-Run overhead (about 45 us, ../shared/GPU.md);
+    - ORT's own per-Run cost (`ort-noop`): a one-node session on the CUDA EP that adds two fp16
+      scalars bound to device memory, timed like the two sessions above (once per run, batch and
+      context 0), so that session minus kernel can be split into ORT's part and the op's glue.
 One correctness check per configuration before timing: ours against float32 attention on the
 dequantized cache (torch), relative L2 error; ORT GQA against float32 attention on its own
 dequantized cache after the call (first sequence).
@@ -112,7 +115,7 @@ def peer_reasons(peers) -> dict[str, str]:
             why["flashinfer"] = ""
         except Exception as e:  # noqa: BLE001
             why["flashinfer"] = f"flashinfer not importable ({type(e).__name__}: {e})"
-    if "ort-gqa" in peers or "ours-ort" in peers:
+    if "ort-gqa" in peers or "ours-ort" in peers or "ort-noop" in peers:
         try:
             import onnxruntime as ort
 
@@ -121,7 +124,7 @@ def peer_reasons(peers) -> dict[str, str]:
                 f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
         except Exception as e:  # noqa: BLE001
             r = f"onnxruntime not importable ({type(e).__name__}: {e})"
-        for p in ("ort-gqa", "ours-ort"):
+        for p in ("ort-gqa", "ours-ort", "ort-noop"):
             if p in peers:
                 why[p] = r
     return why
@@ -173,6 +176,34 @@ def ours_ort_session(tensors, pv, iters, flush):
     run()
     torch.cuda.synchronize()
     return out, time_wall(run, iters, flush)
+
+
+def ort_noop_session(iters, flush):
+    """ORT's per-Run cost on the CUDA EP: one Add of two fp16 scalars, inputs and output bound to
+    device tensors; wall time of run_with_iobinding (one tiny kernel and ORT's end-of-Run sync)."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    vi = helper.make_tensor_value_info
+    f16 = TensorProto.FLOAT16
+    graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "noop",
+                              [vi("a", f16, [1]), vi("b", f16, [1])], [vi("c", f16, [1])])
+    model = helper.make_model(graph, ir_version=9, opset_imports=[helper.make_opsetid("", 17)])
+    sess = ort.InferenceSession(model.SerializeToString(), ort.SessionOptions(),
+                                providers=["CUDAExecutionProvider"])
+    a, b, c = (torch.ones(1, dtype=torch.float16, device="cuda") for _ in range(3))
+    io = sess.io_binding()
+    _bind(io, "a", a)
+    _bind(io, "b", b)
+    io.bind_output("c", "cuda", 0, np.float16, [1], c.data_ptr())
+
+    def run():
+        sess.run_with_iobinding(io)
+
+    run()
+    torch.cuda.synchronize()
+    return time_wall(run, iters, flush)
 
 
 def ort_gqa_int8(batch, ctx, hq, hkv, d, iters, flush, gen):
@@ -307,6 +338,12 @@ def bench_decode(args, writer, flush, gen):
         print(f"peer {p}: " + (f"skipped: {why[p]}" if why.get(p) else "runs"), file=sys.stderr, flush=True)
     workspace = (torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
                  if "flashinfer" in peers and not why.get("flashinfer") else None)
+    if "ort-noop" in peers and not why.get("ort-noop"):
+        try:
+            rows.append(_row("ort-noop-session", 0, 0, ort_noop_session(args.iters, flush), 0))
+            writer(rows[-1])
+        except Exception as e:  # noqa: BLE001
+            print(f"ORT no-op session: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     for batch in args.batch:
         for ctx in args.context:
             kc, vc, ks, vs, tables, lens = make_paged_cache(batch, ctx, hkv, d, args.block, gen)
@@ -480,8 +517,8 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--flush", choices=["read", "write"], default="read",
                     help="evict L2 before each timed call by reading (default) or writing 256 MB")
-    ap.add_argument("--peers", nargs="*", default=["flashinfer", "ort-gqa", "ours-ort"],
-                    help="optional peers besides cuDNN SDPA: flashinfer, ort-gqa, ours-ort")
+    ap.add_argument("--peers", nargs="*", default=["flashinfer", "ort-gqa", "ours-ort", "ort-noop"],
+                    help="optional peers besides cuDNN SDPA: flashinfer, ort-gqa, ours-ort, ort-noop")
     ap.add_argument("--ort-pv", nargs="*", default=["s8"], help="pv_quant of ours as an ORT session")
     ap.add_argument("--warmup-peers", action="store_true",
                     help="only JIT-compile FlashInfer's decode modules (bf16 and fp8 cache) on small shapes")
