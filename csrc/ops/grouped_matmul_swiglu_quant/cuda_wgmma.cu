@@ -56,6 +56,7 @@ constexpr int kWgMaxK = 131071;  // as cuda.cu: exact int32 accumulation
 struct WgCfg {
   static constexpr int kCWG = 2;                       // consumer warpgroups
   static constexpr int kBM = 64 * kCWG;
+  static constexpr int kBNh = kWgBNh;
   static constexpr int kBK = 128;
   static constexpr int kStages = 4;
   static constexpr int kThreads = 128 * (kCWG + 1);    // + the producer warpgroup
@@ -306,32 +307,62 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(uint32_t (&d)[64], uint64_t 
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
-// The CTA's start in both kernels: y_offset zeroed (grid-stride over `threads` a CTA), the tile
-// map of bm-row blocks in shared memory (warp 0), the ring's S full barriers (count 1: the
-// producer's expect_tx arrival) and S empty barriers (count `releases`) from full_bar on, X more
-// barriers of count 1 after them, the tensor maps prefetched; ends with a CTA barrier.
-template <int S, int X>
-__device__ __forceinline__ void cta_start(const GmsqParams& p, const WgScratch& ws, int threads,
-                                          int bm, uint32_t full_bar, int releases,
-                                          const CUtensorMap* map_x, const CUtensorMap* map_w,
-                                          int* ends_s, int* blk_s) {
+// The CTA's start in both kernels (C: WgCfg or WgPPCfg): the 1024-byte aligned shared memory
+// (TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte aligned tiles: the ring,
+// then its S full and S empty mbarriers and X more, then the tile map of C::kBM-row blocks),
+// y_offset zeroed (grid-stride), the tile map (warp 0), the barriers initialized (full: count
+// 1, the producer's expect_tx arrival; empty: count `releases`; the X others: count 1), the
+// tensor maps prefetched, a CTA barrier; and the CTA's place: slot group `slot` of `slots`
+// walks row blocks, column tile ct.
+struct WgCta {
+  uint8_t* smem;
+  uint32_t pipe, full_bar, empty_bar;  // ring; S full mbarriers, then S empty ones, then X
+  int* ends_s;                         // [E + 1] sanitized group ends
+  int* blk_s;                          // [E + 1] row-block prefix
+  int M, K, N, half, E, total_blocks, rows_end, slots, slot, ct, col0, KT;
+};
+template <class C, int X>
+__device__ __forceinline__ WgCta wg_cta(uint8_t* smem_raw, const GmsqParams& p, const WgScratch& ws,
+                                        int releases, const CUtensorMap* map_x,
+                                        const CUtensorMap* map_w, int col_tiles) {
+  constexpr int S = C::kStages;
+  WgCta f;
+  f.smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  f.pipe = smem_u32(f.smem);
+  f.full_bar = f.pipe + C::kPipeBytes;
+  f.empty_bar = f.full_bar + 8 * S;
+  f.ends_s = reinterpret_cast<int*>(f.smem + C::kPipeBytes + C::kBarBytes);
+  f.blk_s = f.ends_s + (kGmsqMaxExperts + 1);
+  f.M = static_cast<int>(p.m);
+  f.K = static_cast<int>(p.k);
+  f.N = static_cast<int>(p.n);
+  f.half = f.N / 2;
+  f.E = static_cast<int>(p.e);
   const int tid = threadIdx.x;
-  const int M = static_cast<int>(p.m);
-  for (int i = blockIdx.x * threads + tid; i < M; i += gridDim.x * threads) p.y_offset[i] = 0.0f;
+  for (int i = blockIdx.x * C::kThreads + tid; i < f.M; i += gridDim.x * C::kThreads)
+    p.y_offset[i] = 0.0f;
   if ((tid >> 5) == 0)
-    epi::build_tile_map(p.group_list, p.group_list_type, M, static_cast<int>(p.e), bm, tid & 31,
-                        ends_s, blk_s, ws.err);
+    epi::build_tile_map(p.group_list, p.group_list_type, f.M, f.E, C::kBM, tid & 31, f.ends_s,
+                        f.blk_s, ws.err);
   if (tid == 32) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full_bar + 8 * s, 1);
-      mbar_init(full_bar + 8 * (S + s), releases);
+      mbar_init(f.full_bar + 8 * s, 1);
+      mbar_init(f.full_bar + 8 * (S + s), releases);
     }
-    for (int x = 0; x < X; ++x) mbar_init(full_bar + 8 * (2 * S + x), 1);
+    for (int x = 0; x < X; ++x) mbar_init(f.full_bar + 8 * (2 * S + x), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map_x)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map_w)) : "memory");
   }
   __syncthreads();
+  f.total_blocks = f.blk_s[f.E];
+  f.rows_end = f.ends_s[f.E];
+  f.slots = gridDim.x / col_tiles;
+  f.slot = blockIdx.x / col_tiles;
+  f.ct = blockIdx.x % col_tiles;
+  f.col0 = f.ct * C::kBNh;
+  f.KT = (f.K + C::kBK - 1) / C::kBK;
+  return f;
 }
 
 // Codes of global row grow of a tile, 2 per n8 group j < NJ (S values s[4 j + 2 hi] and
@@ -365,68 +396,37 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
 #ifdef ORT_OPS_WGMMA_OK
   using C = WgCfg;
   constexpr int CWG = C::kCWG;
-  constexpr int kWgBK = C::kBK;
-  constexpr int kWgBM = C::kBM;
-  constexpr int kWgThreads = C::kThreads;
-  constexpr int kWgStages = C::kStages;
-  constexpr int kATile = C::kATile;
-  constexpr int kBHalf = C::kBHalf;
-  constexpr int kStageBytes = C::kStageBytes;
-  constexpr int kPipeBytes = C::kPipeBytes;
-  constexpr int kBarBytes = C::kBarBytes;
+  constexpr int kWgBK = C::kBK, kWgBM = C::kBM, kWgThreads = C::kThreads, kWgStages = C::kStages;
+  constexpr int kATile = C::kATile, kBHalf = C::kBHalf, kStageBytes = C::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
-  // TMA's 128-byte swizzle and the wgmma descriptors assume 1024-byte aligned tiles.
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t pipe = smem_u32(smem);
-  const uint32_t full_bar = pipe + kPipeBytes;           // kWgStages mbarriers
-  const uint32_t empty_bar = full_bar + 8 * kWgStages;   // kWgStages mbarriers
-  int* ends_s = reinterpret_cast<int*>(smem + kPipeBytes + kBarBytes);  // [E + 1]
-  int* blk_s = ends_s + (kGmsqMaxExperts + 1);                          // [E + 1]
-
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int M = static_cast<int>(p.m);
-  const int K = static_cast<int>(p.k);
-  const int N = static_cast<int>(p.n);
-  const int half = N / 2;
-  const int E = static_cast<int>(p.e);
-
   // Empty barriers: one arrival per consumer warpgroup.
-  cta_start<kWgStages, 0>(p, ws, kWgThreads, kWgBM, full_bar, CWG, &map_x, &map_w, ends_s, blk_s);
-  const int total_blocks = blk_s[E];
-  const int rows_end = ends_s[E];
-  const int slots = gridDim.x / col_tiles;
-  const int slot = blockIdx.x / col_tiles;
-  const int ct = blockIdx.x % col_tiles;
-  const int col0 = ct * kWgBNh;
-  const int KT = (K + kWgBK - 1) / kWgBK;
-  const int wg = warp / 4;
+  const WgCta f = wg_cta<C, 0>(smem_raw, p, ws, CWG, &map_x, &map_w, col_tiles);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp / 4;
 
   // The loading thread's cursor over this CTA's (row block, k step) sequence: step `ld` goes
   // to stage ld % kWgStages once the consumers released that stage's previous use.
-  int ld = 0, ld_rb = slot, ld_kt = 0, ld_row0 = 0, ld_wrow = 0;
+  int ld = 0, ld_rb = f.slot, ld_kt = 0, ld_row0 = 0, ld_wrow = 0;
   auto ld_tile = [&]() {
-    if (ld_rb < total_blocks) {
-      const int e = epi::expert_of_block(blk_s, E, ld_rb);
-      ld_row0 = ends_s[e] + (ld_rb - blk_s[e]) * kWgBM;
-      ld_wrow = e * N + col0;  // gate rows; up rows start at ld_wrow + half
+    if (ld_rb < f.total_blocks) {
+      const int e = epi::expert_of_block(f.blk_s, f.E, ld_rb);
+      ld_row0 = f.ends_s[e] + (ld_rb - f.blk_s[e]) * kWgBM;
+      ld_wrow = e * f.N + f.col0;  // gate rows; up rows start at ld_wrow + half
     }
   };
   auto top_up = [&](int limit) {  // issue the loads of steps ld .. limit - 1
-    while (ld < limit && ld_rb < total_blocks) {
+    while (ld < limit && ld_rb < f.total_blocks) {
       const int s = ld % kWgStages;
-      mbar_wait(empty_bar + 8 * s, ((ld / kWgStages) & 1) ^ 1);
-      const uint32_t fb = full_bar + 8 * s;
+      mbar_wait(f.empty_bar + 8 * s, ((ld / kWgStages) & 1) ^ 1);
+      const uint32_t fb = f.full_bar + 8 * s;
       mbar_expect_tx(fb, kStageBytes);
-      const uint32_t st = pipe + s * kStageBytes;
+      const uint32_t st = f.pipe + s * kStageBytes;
       tma_load_2d(st, &map_x, ld_kt * kWgBK, ld_row0, fb);
       tma_load_2d(st + kATile, &map_w, ld_kt * kWgBK, ld_wrow, fb);
-      tma_load_2d(st + kATile + kBHalf, &map_w, ld_kt * kWgBK, ld_wrow + half, fb);
+      tma_load_2d(st + kATile + kBHalf, &map_w, ld_kt * kWgBK, ld_wrow + f.half, fb);
       ++ld;
-      if (++ld_kt == KT) {
+      if (++ld_kt == f.KT) {
         ld_kt = 0;
-        ld_rb += slots;
+        ld_rb += f.slots;
         ld_tile();
       }
     }
@@ -448,41 +448,41 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     const int t = lane & 3;
     const int ctid = tid - 128;     // 0 .. 128 CWG - 1 among the consumers
     int it = 0;
-    for (int rb = slot; rb < total_blocks; rb += slots) {
-      const int e = epi::expert_of_block(blk_s, E, rb);
-      const int row0 = ends_s[e] + (rb - blk_s[e]) * kWgBM;
-      const int rows = min(kWgBM, ends_s[e + 1] - row0);
+    for (int rb = f.slot; rb < f.total_blocks; rb += f.slots) {
+      const int e = epi::expert_of_block(f.blk_s, f.E, rb);
+      const int row0 = f.ends_s[e] + (rb - f.blk_s[e]) * kWgBM;
+      const int rows = min(kWgBM, f.ends_s[e + 1] - row0);
 
       uint32_t acc[128];
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0;
-      for (int kt = 0; kt < KT; ++kt, ++it) {
+      for (int kt = 0; kt < f.KT; ++kt, ++it) {
         const int s = it % kWgStages;
-        mbar_wait(full_bar + 8 * s, (it / kWgStages) & 1);
-        const uint32_t a0 = pipe + s * kStageBytes + cw * 64 * kWgBK;
-        const uint32_t b0 = pipe + s * kStageBytes + kATile;
+        mbar_wait(f.full_bar + 8 * s, (it / kWgStages) & 1);
+        const uint32_t a0 = f.pipe + s * kStageBytes + cw * 64 * kWgBK;
+        const uint32_t b0 = f.pipe + s * kStageBytes + kATile;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kWgBK / 32; ++kk)
           wgmma_m64n256k32_s8(acc, sw128_desc(a0 + 32 * kk), sw128_desc(b0 + 32 * kk), 1u);
         wgmma_commit();
         wgmma_wait<1>();  // the group of the previous k step retired: release its stage
-        if (kt > 0 && (tid & 127) == 0) mbar_arrive(empty_bar + 8 * ((it + kWgStages - 1) % kWgStages));
+        if (kt > 0 && (tid & 127) == 0) mbar_arrive(f.empty_bar + 8 * ((it + kWgStages - 1) % kWgStages));
       }
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(acc[i]);
-      if (KT > 0 && (tid & 127) == 0) mbar_arrive(empty_bar + 8 * ((it + kWgStages - 1) % kWgStages));
+      if (f.KT > 0 && (tid & 127) == 0) mbar_arrive(f.empty_bar + 8 * ((it + kWgStages - 1) % kWgStages));
 
       // ---- epilogue: dequantize, SwiGLU (S replaces the gate accumulators), partial row max ----
       const int rl = cw * 64 + wq * 16 + g;  // rows rl and rl + 8 of the tile
       const bool ok0 = rl < rows, ok1 = rl + 8 < rows;
       const float xs0 = ok0 ? p.x_scale[row0 + rl] : 0.0f;
       const float xs1 = ok1 ? p.x_scale[row0 + rl + 8] : 0.0f;
-      const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
+      const float* wsr = p.w_scale + static_cast<int64_t>(e) * f.N;
       float m0 = 0.0f, m1 = 0.0f;
       bool nonfinite = false;
-      swiglu_tile_mixed<16>(acc, wsr, col0, half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
+      swiglu_tile_mixed<16>(acc, wsr, f.col0, f.half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -501,10 +501,10 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       // ---- quantize with the rows' final max; 2 codes per (row, j) ----
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi)
-        if (hi ? ok1 : ok0) row_codes<16>(acc, hi, p, ws, row0 + rl + 8 * hi, col0, half, t, ct);
+        if (hi ? ok1 : ok0) row_codes<16>(acc, hi, p, ws, row0 + rl + 8 * hi, f.col0, f.half, t, f.ct);
     }
   }
-  epi::zero_tail_rows(p.y, p.y_scale, M, half, rows_end,
+  epi::zero_tail_rows(p.y, p.y_scale, f.M, f.half, f.rows_end,
                       static_cast<int64_t>(blockIdx.x) * kWgThreads + tid,
                       static_cast<int64_t>(gridDim.x) * kWgThreads);
 #else
@@ -552,64 +552,35 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
                          const WgScratch ws, const int col_tiles) {
 #ifdef ORT_OPS_WGMMA_OK
   using C = WgPPCfg;
-  constexpr int BK = C::kBK;
-  constexpr int BM = C::kBM;
-  constexpr int BNh = C::kBNh;
-  constexpr int S = C::kStages;
-  constexpr int kATile = C::kATile;
-  constexpr int kBHalf = C::kBHalf;
-  constexpr int kStageBytes = C::kStageBytes;
-  constexpr int kPipeBytes = C::kPipeBytes;
+  constexpr int BK = C::kBK, BM = C::kBM, S = C::kStages;
+  constexpr int kATile = C::kATile, kBHalf = C::kBHalf, kStageBytes = C::kStageBytes;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t pipe = smem_u32(smem);
-  const uint32_t full_bar = pipe + kPipeBytes;   // S mbarriers
-  const uint32_t empty_bar = full_bar + 8 * S;   // S mbarriers
+  // Empty barriers: the consuming warpgroup's release; then the two order barriers.
+  const WgCta f = wg_cta<C, 2>(smem_raw, p, ws, 1, &map_x, &map_w, col_tiles);
   // order_bar + 8 c: warpgroup c may start its next main loop (the other one issued its last
   // k step). The main loops alternate strictly, so a warpgroup never waits on a full barrier
   // whose previous phase is still pending (a phase parity names only the last two phases).
-  const uint32_t order_bar = empty_bar + 8 * S;
-  int* ends_s = reinterpret_cast<int*>(smem + kPipeBytes + C::kBarBytes);  // [E + 1]
-  int* blk_s = ends_s + (kGmsqMaxExperts + 1);                             // [E + 1]
-
-  const int tid = threadIdx.x;
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int M = static_cast<int>(p.m);
-  const int K = static_cast<int>(p.k);
-  const int N = static_cast<int>(p.n);
-  const int half = N / 2;
-  const int E = static_cast<int>(p.e);
-
-  // Empty barriers: the consuming warpgroup's release; then the two order barriers.
-  cta_start<S, 2>(p, ws, C::kThreads, BM, full_bar, 1, &map_x, &map_w, ends_s, blk_s);
-  const int total_blocks = blk_s[E];
-  const int rows_end = ends_s[E];
-  const int slots = gridDim.x / col_tiles;
-  const int slot = blockIdx.x / col_tiles;
-  const int ct = blockIdx.x % col_tiles;
-  const int col0 = ct * BNh;
-  const int KT = (K + BK - 1) / BK;
-  const int wg = warp / 4;
+  const uint32_t order_bar = f.empty_bar + 8 * S;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp / 4;
 
   if (wg == 0) {
     // ---- producer: the k steps of the CTA's tiles j = 0, 1, ... (row block slot + j slots) ----
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::kProducerRegs) : "memory");
     if (tid == 0) {
       int ld = 0;
-      for (int rb = slot; rb < total_blocks; rb += slots) {
-        const int e = epi::expert_of_block(blk_s, E, rb);
-        const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
-        const int wrow = e * N + col0;  // gate rows; up rows start at wrow + half
-        for (int kt = 0; kt < KT; ++kt, ++ld) {
+      for (int rb = f.slot; rb < f.total_blocks; rb += f.slots) {
+        const int e = epi::expert_of_block(f.blk_s, f.E, rb);
+        const int row0 = f.ends_s[e] + (rb - f.blk_s[e]) * BM;
+        const int wrow = e * f.N + f.col0;  // gate rows; up rows start at wrow + half
+        for (int kt = 0; kt < f.KT; ++kt, ++ld) {
           const int s = ld % S;
-          mbar_wait(empty_bar + 8 * s, ((ld / S) & 1) ^ 1);
-          const uint32_t fb = full_bar + 8 * s;
+          mbar_wait(f.empty_bar + 8 * s, ((ld / S) & 1) ^ 1);
+          const uint32_t fb = f.full_bar + 8 * s;
           mbar_expect_tx(fb, kStageBytes);
-          const uint32_t st = pipe + s * kStageBytes;
+          const uint32_t st = f.pipe + s * kStageBytes;
           tma_load_2d(st, &map_x, kt * BK, row0, fb);
           tma_load_2d(st + kATile, &map_w, kt * BK, wrow, fb);
-          tma_load_2d(st + kATile + kBHalf, &map_w, kt * BK, wrow + half, fb);
+          tma_load_2d(st + kATile + kBHalf, &map_w, kt * BK, wrow + f.half, fb);
         }
       }
     }
@@ -622,11 +593,11 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
     const int t = lane & 3;
     const bool leader = (tid & 127) == 0;
     for (int j = cw;; j += 2) {
-      const int rb = slot + j * slots;
-      if (rb >= total_blocks) break;
-      const int e = epi::expert_of_block(blk_s, E, rb);
-      const int row0 = ends_s[e] + (rb - blk_s[e]) * BM;
-      const int rows = min(BM, ends_s[e + 1] - row0);
+      const int rb = f.slot + j * f.slots;
+      if (rb >= f.total_blocks) break;
+      const int e = epi::expert_of_block(f.blk_s, f.E, rb);
+      const int row0 = f.ends_s[e] + (rb - f.blk_s[e]) * BM;
+      const int rows = min(BM, f.ends_s[e + 1] - row0);
 
       uint32_t acc0[64], acc1[64];  // rows 0-63 and 64-127 of the tile
 #pragma unroll
@@ -634,11 +605,11 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
       // Tile j - 1 (the other warpgroup's) issued its last k step: ring positions below
       // j KT have all been waited for, so the parities below name this tile's phases.
       if (j > 0) mbar_wait(order_bar + 8 * cw, ((j - 1) / 2) & 1);
-      int it = j * KT;  // ring position of this tile's first k step
-      for (int kt = 0; kt < KT; ++kt, ++it) {
+      int it = j * f.KT;  // ring position of this tile's first k step
+      for (int kt = 0; kt < f.KT; ++kt, ++it) {
         const int s = it % S;
-        mbar_wait(full_bar + 8 * s, (it / S) & 1);
-        const uint32_t a0 = pipe + s * kStageBytes;
+        mbar_wait(f.full_bar + 8 * s, (it / S) & 1);
+        const uint32_t a0 = f.pipe + s * kStageBytes;
         const uint32_t b0 = a0 + kATile;
         wgmma_fence();
 #pragma unroll
@@ -647,9 +618,9 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
           wgmma_m64n128k32_s8(acc1, sw128_desc(a0 + 64 * BK + 32 * kk), sw128_desc(b0 + 32 * kk), 1u);
         }
         wgmma_commit();
-        if (kt == KT - 1 && leader) mbar_arrive(order_bar + 8 * (1 - cw));
+        if (kt == f.KT - 1 && leader) mbar_arrive(order_bar + 8 * (1 - cw));
         wgmma_wait<1>();  // the previous k step's group retired: release its stage
-        if (kt > 0 && leader) mbar_arrive(empty_bar + 8 * ((it + S - 1) % S));
+        if (kt > 0 && leader) mbar_arrive(f.empty_bar + 8 * ((it + S - 1) % S));
       }
       wgmma_wait<0>();
 #pragma unroll
@@ -657,7 +628,7 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
         reg_fence(acc0[i]);
         reg_fence(acc1[i]);
       }
-      if (leader) mbar_arrive(empty_bar + 8 * ((it + S - 1) % S));
+      if (leader) mbar_arrive(f.empty_bar + 8 * ((it + S - 1) % S));
 
       // ---- epilogue (the other warpgroup's wgmmas run meanwhile) ----
       const int rl = wq * 16 + g;  // rows rl, rl + 8 (acc0) and 64 + rl, 72 + rl (acc1)
@@ -666,11 +637,11 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
       const float xs01 = ok01 ? p.x_scale[row0 + rl + 8] : 0.0f;
       const float xs10 = ok10 ? p.x_scale[row0 + rl + 64] : 0.0f;
       const float xs11 = ok11 ? p.x_scale[row0 + rl + 72] : 0.0f;
-      const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
+      const float* wsr = p.w_scale + static_cast<int64_t>(e) * f.N;
       float m00 = 0.0f, m01 = 0.0f, m10 = 0.0f, m11 = 0.0f;
       bool nonfinite = false;
-      swiglu_tile_mixed<8>(acc0, wsr, col0, half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
-      swiglu_tile_mixed<8>(acc1, wsr, col0, half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
+      swiglu_tile_mixed<8>(acc0, wsr, f.col0, f.half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
+      swiglu_tile_mixed<8>(acc1, wsr, f.col0, f.half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       float mx[4] = {m00, m01, m10, m11};
 #pragma unroll
@@ -690,11 +661,11 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int r = rl + (q & 1) * 8 + (q >> 1) * 64;
-        if (r < rows) row_codes<8>((q >> 1) ? acc1 : acc0, q & 1, p, ws, row0 + r, col0, half, t, ct);
+        if (r < rows) row_codes<8>((q >> 1) ? acc1 : acc0, q & 1, p, ws, row0 + r, f.col0, f.half, t, f.ct);
       }
     }
   }
-  epi::zero_tail_rows(p.y, p.y_scale, M, half, rows_end,
+  epi::zero_tail_rows(p.y, p.y_scale, f.M, f.half, f.rows_end,
                       static_cast<int64_t>(blockIdx.x) * C::kThreads + tid,
                       static_cast<int64_t>(gridDim.x) * C::kThreads);
 #else
@@ -777,7 +748,7 @@ cudaError_t launch_tiles(const GmsqParams& p, int device, cudaStream_t stream) {
   // cooperative kernel's 128-column tiles (up to 128 SMs of outputs).
   if ((p.n / 2 + WgPPCfg::kBNh - 1) / WgPPCfg::kBNh <= sms)
     return launch_kernel<WgPPCfg>(gmsq_wgmma_pp_kernel, WgPPCfg::kBNh, WgPPCfg::kBNh, p, sms, stream);
-  return launch_kernel<WgCfg>(gmsq_wgmma_kernel, kWgBNh, kWgBNh, p, sms, stream);
+  return launch_kernel<WgCfg>(gmsq_wgmma_kernel, WgCfg::kBNh, WgCfg::kBNh, p, sms, stream);
 }
 
 }  // namespace
