@@ -6,13 +6,15 @@ so M = T * k routed rows, sorted by expert (uniform random routing, k distinct e
 
 Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed (by
 reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
-  ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out)
+  ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out), per
+            --configs: auto, the tiled kernel's bm16 / bm16w / bm32 / bm64 / bm128, or stream (the
+            decode pair of cuda_stream.cu, which auto picks up to 16 rows an expert)
   packed B  ours with the weights pre-packed per 128-column tile (cuda.cuh weight_layout 1)
   layout2   ours on K-major weights [E, N, K] (weight_layout 2): config bm128 is the Hopper wgmma
             kernel (cuda_wgmma.cuh), bm16/bm16w/bm32/bm64 the mma.sync kernel reading B with
             ldmatrix, auto picks by rows per expert (what a graph packing layout 2 gets)
-  floor     the same launch with every group empty (memset + launch + tile map + tail fill):
-            the op's fixed cost
+  floor     the same launch (auto) with every group empty: the op's fixed cost (tiled: memset +
+            launch + tile map + tail fill; stream: its two kernels)
   bf16      torch._grouped_mm bf16 GEMM + torch SwiGLU (fp32) + torch per-row INT8 quantization
   fp8 gemm  torch._scaled_grouped_mm fp8 e4m3 GEMM only (row-wise scales, bf16 out)
 Reported: median and p90 us, ratio bf16/ours, TOP/s (2 M K N / t) against the measured INT8
@@ -114,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=1408)
     ap.add_argument("--configs", default="auto",
-                    help="kernel tile configs to time (weight [E, K, N]): auto,bm16,bm64,bm128; '' for none")
+                    help="configs to time (weight [E, K, N]): auto,bm16,bm16w,bm32,bm64,bm128,stream; '' for none")
     ap.add_argument("--wg-configs", default="auto,bm128",
                     help="weight layout 2 ([E, N, K], sm_90 only) configs to time (bm128: the wgmma "
                          "kernel; auto: by rows per expert); '' for none")
@@ -180,7 +182,7 @@ def main(argv=None):
             configs = [c for c in args.configs.split(",") if c]
             for cfg in configs:
                 runner = GmsqRunner(x_d, w_d, ws_d, xs_d, gl_d, config=cfg)
-                if not args.no_check and cfg == configs[0]:
+                if not args.no_check:
                     err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
                     print(f"{label}: check vs reference ({cfg}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)

@@ -28,7 +28,7 @@ DQ_ERR_NON_FINITE = 1  # DynamicQuant's error word
 INIT_ERR_BAD_EXPERT = 1  # MoeInitRouting's
 FINALIZE_ERR_NOT_PERMUTATION = 1  # MoeFinalizeRouting's
 # Tile configurations of the GroupedMatmulSwigluQuant kernel (GmsqConfig in cuda.cuh).
-GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2, "bm16w": 3, "bm32": 4}
+GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2, "bm16w": 3, "bm32": 4, "stream": 5}
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -55,7 +55,7 @@ def _gmsq_fns():
     fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
     ws = lib.ort_ops_gmsq_cuda_workspace_bytes
     ws.restype = ctypes.c_size_t
-    ws.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    ws.argtypes = [ctypes.c_int64] * 3
     gmd = lib.ort_ops_gmd_cuda
     gmd.restype = ctypes.c_int
     gmd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
@@ -102,7 +102,7 @@ class GmsqRunner:
                   else torch.empty((m, n // 2), dtype=torch.int8, device=dev))
         self.y_scale = torch.empty((m,), dtype=torch.float32, device=dev)
         self.y_offset = torch.empty((m,), dtype=torch.float32, device=dev)
-        self.workspace = torch.empty((max(16, ws_bytes(m, e)),), dtype=torch.uint8, device=dev)
+        self.workspace = torch.empty((max(16, ws_bytes(m, n, e)),), dtype=torch.uint8, device=dev)
 
     def poison(self) -> None:
         """Fills the outputs with values the kernel never writes, to catch unwritten elements."""

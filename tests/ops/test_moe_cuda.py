@@ -249,7 +249,7 @@ CASES = {
 
 
 @cuda
-@pytest.mark.parametrize("config", ["auto", "bm16", "bm32", "bm64", "bm128", "bm16w"])
+@pytest.mark.parametrize("config", ["auto", "bm16", "bm32", "bm64", "bm128", "bm16w", "stream"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gmsq_cuda_matches_reference(torch_cuda, rng, case, config):
     m, k, n, counts, tail = CASES[case]
@@ -264,7 +264,7 @@ def test_gmsq_cuda_matches_reference(torch_cuda, rng, case, config):
 
 
 @cuda
-@pytest.mark.parametrize("config", ["auto", "bm16", "bm64", "bm128", "bm16w"])
+@pytest.mark.parametrize("config", ["auto", "bm16", "bm64", "bm128", "bm16w", "stream"])
 @pytest.mark.parametrize("case", ["mixed", "tail_rows", "k80_n96", "many_experts", "deep_k",
                                   "many_rounds"])
 def test_gmd_cuda_matches_reference(torch_cuda, rng, case, config):
@@ -287,7 +287,7 @@ def test_gmd_cuda_matches_reference(torch_cuda, rng, case, config):
 
 
 @cuda
-@pytest.mark.parametrize("config", ["bm16", "bm32", "bm128"])
+@pytest.mark.parametrize("config", ["bm16", "bm32", "bm128", "stream"])
 def test_gmsq_cuda_counts_and_model_shape(torch_cuda, rng, config):
     """group_list_type 1 (counts) at the benchmark's hidden 2048 / intermediate 1408."""
     counts = [40, 0, 1, 90, 3, 0, 17, 60]
@@ -300,18 +300,75 @@ def test_gmsq_cuda_counts_and_model_shape(torch_cuda, rng, config):
 
 
 @cuda
+@pytest.mark.parametrize("config", ["auto", "bm16w"])
 @pytest.mark.parametrize("experts,topk", [(8, 2), (64, 8)])
-def test_gmsq_cuda_decode_shapes(torch_cuda, rng, experts, topk):
+def test_gmsq_cuda_decode_shapes(torch_cuda, rng, experts, topk, config):
     """The benchmark's decode rows (16 tokens, hidden 2048, intermediate 1408, uniform top-k
-    routing), auto config: one round of row blocks (8 experts) and several (64 experts)."""
+    routing), auto (8 experts: bm16w, one round of row blocks; 64 experts: the stream kernel,
+    ~616 tiles split evenly over every SM) and bm16w forced (several rounds at 64 experts); the
+    dequant mode too."""
+    from ort_ops._cuda_kernels import gmd
+
     t, k, n = 16, 2048, 2816
     ids = np.argsort(rng.random((t, experts)), axis=1)[:, :topk]
     counts = np.bincount(ids.ravel(), minlength=experts)
     m = int(counts.sum())
     x, w, ws, xs, gl = _problem(rng, m, k, n, counts)
-    *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl)
+    *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
     assert err == 0
     _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
+    dev = torch_cuda.device("cuda")
+    tt = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
+    y, err = gmd(*tt, config=config)
+    assert err == 0
+    np.testing.assert_array_equal(y.cpu().numpy(), reference.grouped_matmul_dequant(x, w, ws, xs, gl))
+
+
+@cuda
+@pytest.mark.parametrize("experts,topk,tokens,stream", [(8, 2, 16, False), (64, 8, 16, True),
+                                                        (64, 8, 32, True), (8, 2, 64, False),
+                                                        (64, 8, 64, False)])
+def test_gmsq_cuda_auto_picks_the_stream_kernel_at_decode(torch_cuda, rng, experts, topk, tokens,
+                                                         stream):
+    """Auto dispatch on the contract's layout (N/2 = 1408: 11 column tiles, 24 bm16w slot groups
+    on 132 SMs): the stream kernel pair up to 4 rows an expert on average when more experts
+    than slot groups are touched (64 experts), the tiled kernel otherwise; named by the torch
+    profiler. (The expectations assume an H200's 132 SMs; other GPUs skip.)"""
+    from benchmarks.bench_moe_cuda import routing
+    from ort_ops._cuda_kernels import GmsqRunner
+    from tests.ops.test_moe_kmajor_cuda import _kernel_names
+
+    if torch_cuda.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the dispatch expectations are an H200's (132 SMs)")
+    counts = routing(rng, tokens, experts, topk)
+    m = int(counts.sum())
+    x, w, ws, xs, gl = _problem(rng, m, 256, 2816, list(counts))
+    dev = torch_cuda.device("cuda")
+    r = GmsqRunner(*[torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)])
+    r.poison()
+    names = _kernel_names(torch_cuda, r.launch)
+    assert r.error_word() == 0
+    _assert_exact((r.y.cpu().numpy(), r.y_scale.cpu().numpy(), r.y_offset.cpu().numpy()),
+                  reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
+    if not names:
+        pytest.skip("codes exact, but the profiler recorded no CUDA kernels (CUPTI unavailable)")
+    gmsq = [s for s in names if "gmsq" in s]
+    want = ["gmsq_stream_kernel", "gmsq_stream_epilogue"] if stream else ["gmsq_kernel"]
+    assert len(gmsq) == len(want) and all(w_ in g for w_, g in zip(want, gmsq)), names
+
+
+@cuda
+def test_gmsq_cuda_stream_refuses_shapes_past_its_workspace(torch_cuda, rng):
+    """M * N > 2^24 int32 sums: the forced stream config fails the launch (no workspace was sized
+    for it), and auto keeps the tiled kernel there."""
+    from ort_ops._cuda_kernels import gmsq
+
+    m, n = 8192, 2816
+    x, w, ws, xs, gl = _problem(rng, m, 64, n, [m])
+    dev = torch_cuda.device("cuda")
+    t = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
+    with pytest.raises(RuntimeError, match="launch failed"):
+        gmsq(*t, config="stream")
 
 
 @cuda
@@ -340,23 +397,26 @@ def test_cuda_packed_weight_layout(torch_cuda, rng, config, dequant, case):
 
 
 @cuda
-def test_gmsq_cuda_is_deterministic_and_race_free(torch_cuda, rng):
-    """Same inputs twice (different interleavings of the cross-CTA row max): same bits."""
+@pytest.mark.parametrize("config", ["bm64", "stream"])
+def test_gmsq_cuda_is_deterministic_and_race_free(torch_cuda, rng, config):
+    """Same inputs twice (different interleavings of the cross-CTA row max or of the stream's
+    partial sums): same bits."""
     x, w, ws, xs, gl = _problem(rng, 700, 256, 2 * 640, [100, 250, 0, 350])
-    first = _run_cuda(torch_cuda, x, w, ws, xs, gl, config="bm64")
-    second = _run_cuda(torch_cuda, x, w, ws, xs, gl, config="bm64")
+    first = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
+    second = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
     for a, b in zip(first[:3], second[:3]):
         np.testing.assert_array_equal(a, b)
 
 
 @cuda
-def test_gmsq_cuda_edge_values(torch_cuda, rng):
+@pytest.mark.parametrize("config", ["auto", "stream"])
+def test_gmsq_cuda_edge_values(torch_cuda, rng, config):
     """All-zero rows (scale 0, codes 0), a row where one column dominates, saturated codes."""
     x, w, ws, xs, gl = _problem(rng, 40, 64, 64, [40])
     x[0] = 0
     x[1] = 127
     xs[2] = 0.0
-    *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl)
+    *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
     assert err == 0
     want = reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl)
     _assert_exact(got, want)
@@ -364,28 +424,31 @@ def test_gmsq_cuda_edge_values(torch_cuda, rng):
 
 
 @cuda
-def test_gmsq_cuda_reports_bad_group_list_without_faulting(torch_cuda, rng):
+@pytest.mark.parametrize("config", ["auto", "stream"])
+def test_gmsq_cuda_reports_bad_group_list_without_faulting(torch_cuda, rng, config):
     from ort_ops._cuda_kernels import ERR_GROUP_LIST
 
     x, w, ws, xs, _ = _problem(rng, 50, 64, 64, [50])
     for gl in ([30, 10, 50], [10, 20, 500], [-5, 10, 20]):
-        *_, err = _run_cuda(torch_cuda, x, w[[0, 0, 0]], ws[[0, 0, 0]], xs, np.asarray(gl, np.int64))
+        *_, err = _run_cuda(torch_cuda, x, w[[0, 0, 0]], ws[[0, 0, 0]], xs, np.asarray(gl, np.int64),
+                            config=config)
         assert err & ERR_GROUP_LIST, gl
     *_, err = _run_cuda(torch_cuda, x, w[[0, 0]], ws[[0, 0]], xs, np.asarray([30, 0], np.int64),
-                        group_list_type=1)
-    assert err == 0
+                        group_list_type=1, config=config)
+    assert err == 0  # also: the word a failed launch left is cleared by the next one
     *_, err = _run_cuda(torch_cuda, x, w[[0, 0]], ws[[0, 0]], xs, np.asarray([30, -1], np.int64),
-                        group_list_type=1)
+                        group_list_type=1, config=config)
     assert err & ERR_GROUP_LIST
 
 
 @cuda
-def test_gmsq_cuda_reports_non_finite(torch_cuda, rng):
+@pytest.mark.parametrize("config", ["auto", "stream"])
+def test_gmsq_cuda_reports_non_finite(torch_cuda, rng, config):
     from ort_ops._cuda_kernels import ERR_NON_FINITE
 
     x, w, ws, xs, gl = _problem(rng, 20, 64, 64, [20])
     xs[3] = np.inf
-    *_, err = _run_cuda(torch_cuda, x, w, ws, xs, gl)
+    *_, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
     assert err & ERR_NON_FINITE
     with pytest.raises(ValueError, match="not finite"):
         reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl)
@@ -548,9 +611,12 @@ def _providers_of(sess, op_type):
 
 @cuda
 @pytest.mark.parametrize("scale_dtype", [np.float32, np.float16])
-def test_gmsq_cuda_ep_session(cuda_ep_session, rng, scale_dtype):
-    m, k, n, counts = 211, 256, 320, [0, 1, 100, 0, 90]
-    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=20)
+@pytest.mark.parametrize("decode", [False, True])
+def test_gmsq_cuda_ep_session(cuda_ep_session, rng, scale_dtype, decode):
+    # decode: <= 16 rows an expert, so auto runs the stream kernel pair; else the tiled kernel.
+    m, k, n, counts = ((40, 256, 320, [3, 0, 5, 1, 16, 2, 0, 9]) if decode
+                       else (211, 256, 320, [0, 1, 100, 0, 90]))
+    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=4 if decode else 20)
     ws, xs = ws.astype(scale_dtype), xs.astype(scale_dtype)
     feeds = {"x": x, "weight": w, "weight_scale": ws, "x_scale": xs, "group_list": gl}
     sess = cuda_ep_session(feeds)
@@ -560,11 +626,13 @@ def test_gmsq_cuda_ep_session(cuda_ep_session, rng, scale_dtype):
 
 
 @cuda
-def test_gmd_cuda_ep_session(cuda_ep_session, rng):
+@pytest.mark.parametrize("decode", [False, True])
+def test_gmd_cuda_ep_session(cuda_ep_session, rng, decode):
     from ort_ops.ops import grouped_matmul_dequant as gmd_mod
 
-    m, k, n, counts = 150, 128, 256, [10, 0, 1, 120]
-    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=19)
+    m, k, n, counts = ((30, 128, 256, [10, 0, 1, 12]) if decode
+                       else (150, 128, 256, [10, 0, 1, 120]))
+    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=7 if decode else 19)
     feeds = {"x": x, "weight": w, "weight_scale": ws, "x_scale": xs, "group_list": gl}
     sess = cuda_ep_session(feeds, schema=gmd_mod.SCHEMA, group_list_type=0)
     (y,) = sess.run(None, feeds)
@@ -625,15 +693,16 @@ def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
 
 
 @cuda
-def test_gmsq_cuda_ep_session_errors(cuda_ep_session, rng):
-    x, w, ws, xs, _ = _problem(rng, 40, 64, 64, [40])
+@pytest.mark.parametrize("rows", [40, 20])  # 20 rows on 2 experts: auto runs the stream kernel
+def test_gmsq_cuda_ep_session_errors(cuda_ep_session, rng, rows):
+    x, w, ws, xs, _ = _problem(rng, rows, 64, 64, [rows])
     w2, ws2 = w[[0, 0]], ws[[0, 0]]
     feeds = {"x": x, "weight": w2, "weight_scale": ws2, "x_scale": xs,
              "group_list": np.asarray([30, 10], np.int64)}
     sess = cuda_ep_session(feeds)
     with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: input 'group_list' must be non-decreasing"):
         sess.run(None, feeds)
-    feeds["group_list"] = np.asarray([10, 40], np.int64)
+    feeds["group_list"] = np.asarray([10, rows], np.int64)
     feeds["x_scale"] = xs.copy()
     feeds["x_scale"][3] = np.inf
     with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: .*not finite"):

@@ -32,8 +32,10 @@
 // Exactness: every float32 operation of the reference is done with an explicit _rn intrinsic
 // in the reference's order (no FMA contraction), including the contract's polynomial exp.
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
+#include "ops/grouped_matmul_swiglu_quant/cuda_stream.cuh"
 #include "ops/grouped_matmul_swiglu_quant/cuda_wgmma.cuh"
 #include "ops/grouped_matmul_swiglu_quant/epilogue.cuh"
+#include "ops/grouped_matmul_swiglu_quant/mma_sync.cuh"
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -56,66 +58,11 @@ constexpr int kBK = 64;                       // k per pipeline stage: two m16n8
 constexpr int kOutPerWarp = 32;               // output columns per warp (one transposed quad)
 constexpr int kMaxK = 131071;                 // K * 128 * 128 < 2^31: exact int32
 
-// ---- device helpers -------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy; `valid` false writes 16 zero bytes and reads nothing (src-size 0).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-  __trap();  // the library is built for sm_80+ only (ORT_OPS_CUDA_ARCHS)
-#endif
-}
-
-// 4x4 byte transpose: w[r] holds bytes (k = r, columns 0..3); out[i] holds (k = 0..3, column i),
-// k ascending from the low byte, which is the order the MMA's B register wants.
-__device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t& o0, uint32_t& o1,
-                                             uint32_t& o2, uint32_t& o3) {
-  const uint32_t x0 = __byte_perm(w[0], w[1], 0x5140);  // w0.b0 w1.b0 w0.b1 w1.b1
-  const uint32_t x1 = __byte_perm(w[0], w[1], 0x7362);  // w0.b2 w1.b2 w0.b3 w1.b3
-  const uint32_t y0 = __byte_perm(w[2], w[3], 0x5140);
-  const uint32_t y1 = __byte_perm(w[2], w[3], 0x7362);
-  o0 = __byte_perm(x0, y0, 0x5410);
-  o1 = __byte_perm(x0, y0, 0x7632);
-  o2 = __byte_perm(x1, y1, 0x5410);
-  o3 = __byte_perm(x1, y1, 0x7632);
-}
-
 // The contract's exact float32 epilogue math and the tile map: epilogue.cuh, shared with the
 // wgmma kernel (cuda_wgmma.cu).
 using epi::quant_code;
 using epi::swiglu_f32;
+using namespace mma;  // cp.async, ldmatrix, the s8 MMA, B transposes (mma_sync.cuh)
 
 // ---- the kernel -----------------------------------------------------------------------------
 
@@ -348,16 +295,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
             b[2 * q2 + 1][1] = r[3];
           }
         } else {
-#pragma unroll
-        for (int q = 0; q < 2; ++q)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t w[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-              w[r] = lds32(bs_addr + b_lane_off[q] + (kb * 32 + h * 16 + r) * kBRow);
-            transpose4x4(w, b[q * 4 + 0][h], b[q * 4 + 1][h], b[q * 4 + 2][h], b[q * 4 + 3][h]);
-          }
+          load_b_transposed(bs_addr, b_lane_off, kb, kBRow, b);
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -604,9 +542,16 @@ cudaError_t launch_half_to_float(const uint16_t* src, float* dst, int64_t n, cud
   return cudaGetLastError();
 }
 
-size_t gmsq_workspace_bytes(int64_t m, int64_t e) {
+namespace {
+// The tiled kernels' part (zeroed by their memset): error word, row amax, row-block counters.
+size_t tiled_workspace_bytes(int64_t m, int64_t e) {
   const int64_t max_blocks = (m + 15) / 16 + e + 1;  // smallest BM is 16
   return 16 + align16(4 * static_cast<size_t>(m)) + align16(4 * static_cast<size_t>(max_blocks));
+}
+}  // namespace
+
+size_t gmsq_workspace_bytes(int64_t m, int64_t n, int64_t e) {
+  return std::max(tiled_workspace_bytes(m, e), gmsq_stream_workspace_bytes(m, n));
 }
 
 namespace {
@@ -619,6 +564,28 @@ namespace {
 int auto_config(int64_t m, int64_t e) {
   const int64_t avg = e > 0 ? m / e : m;
   return avg <= 32 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
+}
+
+// Auto on the contract's layout at decode (<= 4 rows an expert on average: one row block an
+// expert, mostly): the stream pair (cuda_stream.cuh) when bm16w's row blocks would not fit one
+// round of its slot groups (more experts touched than 2 x SMs / column tiles: 24 on an H200 at
+// N/2 = 1408, so 64 experts top-8), where the rounds leave SMs idle; bm16w otherwise (one round:
+// equal time, and its single kernel has the lower fixed cost at more rows). H200, same runs
+// (NOTES_moe_cuda.md, session 5): 64e T=16 87 vs 103 us; 8e T=16 25.2-25.6 either way; 64e T=64
+// (8 rows an expert) 123 vs 112, hence the 4.
+constexpr int64_t kStreamMaxAvgRows = 4;
+template <int MODE>
+bool auto_stream(const GmsqParams& p) {
+  if (p.config != kGmsqAuto || p.weight_layout != 0 || p.e <= 0 ||
+      p.m > kStreamMaxAvgRows * p.e || gmsq_stream_workspace_bytes(p.m, p.n) == 0)
+    return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const LaunchInfo li = launch_info<1, 4, 1, 6, 1, MODE, false>(device);  // bm16w
+  if (li.err != cudaSuccess) return false;
+  const int64_t col_tiles = std::max<int64_t>(1, (p.n / 2 + kOutPerWarp * 4 - 1) / (kOutPerWarp * 4));
+  const int64_t slots = static_cast<int64_t>(li.blocks_per_sm) * li.sms / col_tiles;
+  return std::min(p.e, p.m) > slots;
 }
 
 template <int MODE>
@@ -635,8 +602,9 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   s.amax = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + 16);
   s.counters = reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16 +
                                       align16(4 * static_cast<size_t>(p.m)));
-  cudaError_t err =
-      cudaMemsetAsync(p.workspace, 0, gmsq_workspace_bytes(p.m, p.e), stream);
+  if (p.m > 0 && p.n > 0 && p.e > 0 && p.k > 0 && (p.config == kGmsqStream || auto_stream<MODE>(p)))
+    return launch_gmsq_stream(p, MODE == kDequant, stream);  // no memset: see cuda_stream.cu
+  cudaError_t err = cudaMemsetAsync(p.workspace, 0, tiled_workspace_bytes(p.m, p.e), stream);
   if (err != cudaSuccess || p.m == 0) return err;
   if (p.n == 0 || p.e == 0) {
     // No output columns or no experts: every row is "past the last group": zeros.
@@ -720,6 +688,6 @@ ORT_OPS_CUDA_EXPORT int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight,
   return static_cast<int>(launch_gmd(p, static_cast<cudaStream_t>(stream)));
 }
 
-ORT_OPS_CUDA_EXPORT size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e) {
-  return ort_ops::gmsq_cuda::gmsq_workspace_bytes(m, e);
+ORT_OPS_CUDA_EXPORT size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t n, int64_t e) {
+  return ort_ops::gmsq_cuda::gmsq_workspace_bytes(m, n, e);
 }

@@ -40,7 +40,8 @@ enum GmsqConfig : int {
   kGmsqBm128 = 2,      // 128 x 128: GEMM-bound (prefill)
   kGmsqBm16Wide = 3,   // 16 x 128, no k split
   kGmsqBm32 = 4,       // 32 x 64, k split
-  kGmsqNumConfigs = 5
+  kGmsqStream = 5,     // decode: balanced weight stream + epilogue kernel (cuda_stream.cuh)
+  kGmsqNumConfigs = 6
 };
 
 struct GmsqParams {
@@ -52,7 +53,7 @@ struct GmsqParams {
   int8_t* y;
   float* y_scale;
   float* y_offset;
-  void* workspace;  // gmsq_workspace_bytes(m, e) bytes of device memory, any content
+  void* workspace;  // gmsq_workspace_bytes(m, n, e) bytes of device memory, any content
   int64_t m, k, n, e;
   int group_list_type;
   int config;  // GmsqConfig
@@ -68,10 +69,12 @@ struct GmsqParams {
 };
 constexpr int kGmsqPackedCols = 128;
 
-// Device scratch the launcher needs: the error word, the row amax and the per-tile counters.
-size_t gmsq_workspace_bytes(int64_t m, int64_t e);
+// Device scratch the launchers need: the error word, the row amax and the per-tile counters of
+// the tiled kernels, or the stream kernel's int32 sums where that shape is eligible (the larger).
+size_t gmsq_workspace_bytes(int64_t m, int64_t n, int64_t e);
 
-// Enqueues the whole op on `stream` (one memset, one cooperative kernel). Returns the launch
+// Enqueues the whole op on `stream` (tiled: one memset, one cooperative kernel; stream: two
+// kernels). Returns the launch
 // status; the device error word is at gmsq_error_word(workspace) once the stream reaches it.
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
 // GroupedMatmulDequant (the down projection) on the same tiles: y_float [M, N] float32 =
@@ -93,7 +96,7 @@ extern "C" int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight, const fl
                                  float* y_scale, float* y_offset, void* workspace, int64_t m,
                                  int64_t k, int64_t n, int64_t e, int group_list_type, int config,
                                  int weight_layout, void* stream);
-extern "C" size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t e);
+extern "C" size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t n, int64_t e);
 // GroupedMatmulDequant: x, weight, w_scale, x_scale, group_list, y float32 [M, N], workspace.
 extern "C" int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
                                 const float* x_scale, const int64_t* group_list, float* y,

@@ -68,7 +68,7 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   if (m == 0) return;
   auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
 
-  const size_t ws_bytes = gmsq_workspace_bytes(m, e);
+  const size_t ws_bytes = gmsq_workspace_bytes(m, n, e);
   const size_t wsc_bytes = ws.dtype == F16 ? 4 * static_cast<size_t>(e * n + 4) : 0;
   const size_t xsc_bytes = xs.dtype == F16 ? 4 * static_cast<size_t>(m + 4) : 0;
   OrtCudaScratch scratch(op, ctx, ws_bytes + wsc_bytes + xsc_bytes);
