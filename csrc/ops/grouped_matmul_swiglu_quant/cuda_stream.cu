@@ -30,9 +30,11 @@
 // tile, 4x4 byte transposes into m16n8k32 B registers, so lane (g, t) of warp w holds physical
 // columns 8t..8t+7 of the warp's 32-column quads q * 128 + 32 w (q = 0, 1) of the unit.
 //
-// Tuning on the H200 (NOTES_moe_cuda.md, session 5): 2 CTAs of 4 warps an SM with a 6-slot ring
-// and ~16 k chunks a tile; 5 slots / 8 chunks were 1.5 % slower at 64 experts, 512-column units
-// on 8-warp CTAs (one an SM) 6 % slower, the epilogue as a plain launch (no PDL) 1.5 % slower.
+// Tuning on the H200 (NOTES_moe_cuda.md, session 5), 64 experts at 16 tokens: 3 CTAs of 4 warps
+// an SM with a 4-slot ring beat 2 CTAs with 6 slots by 2 % (same-run medians 93.5 vs 95.4 us), which
+// beat 5 slots and 8 k chunks a tile by 1.5 %; 512-column units on 8-warp CTAs (one an SM) were 6 %
+// slower, the epilogue as a plain launch (no PDL) 1.5 % slower. More CTAs an SM, not longer
+// contiguous runs, is what the stream wants.
 #include "ops/grouped_matmul_swiglu_quant/cuda_stream.cuh"
 
 #include <cuda_runtime.h>
@@ -55,13 +57,17 @@ constexpr int kCols = 64 * kWarps;        // GEMM columns of a unit (contiguous 
 constexpr int kChunks = kCols / 16;          // 16-byte chunks of a B row
 constexpr int kBK = 64;                   // k per pipeline stage
 constexpr int kThreads = 32 * kWarps;      // one warp a 64-column slice of the unit
-constexpr int kStages = 6;                // ring slots (5 stages, 80 KB, in flight; 2 CTAs an SM)
+constexpr int kStages = 4;                // ring slots (3 stages, 48 KB, in flight; 3 CTAs an SM)
+constexpr int kMinCtasPerSm = 3;          // up to E ~ 500 (the tile map's shared memory grows with E)
 constexpr int kChunksPerTile = 16;        // target k chunks a tile (the balancing grain)
 constexpr int kAStage = kRows * kBK;      // A [16][64], 16-byte chunks swizzled
 constexpr int kBStage = kBK * kCols;      // B [64][256], 16-byte chunks swizzled
 constexpr int kStage = kAStage + kBStage;
-constexpr int kMapInts = 2 * (kGmsqMaxExperts + 1);
-constexpr int kSmem = kStages * kStage + 4 * kMapInts;
+// Dynamic shared memory: the ring, then the tile map (group ends and row-block prefix, E + 1 ints
+// each), sized by E so that fewer experts leave room for more CTAs an SM.
+constexpr size_t smem_bytes(int64_t e) {
+  return (static_cast<size_t>(kStages) * kStage + 8 * static_cast<size_t>(e + 1) + 15) / 16 * 16;
+}
 constexpr int kEpiMaxThreads = 1024;     // epilogue: one thread a pair of output columns
 constexpr int kMaxHalf = 24576;           // the epilogue keeps a row's N/2 outputs in shared memory
 constexpr int64_t kMaxSums = int64_t{1} << 24;  // M * N int32 sums
@@ -109,11 +115,11 @@ __device__ __forceinline__ int* stream_slots(const GmsqParams& p) {
   return stream_sums(p) + p.m * p.n;
 }
 
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     gmsq_stream_kernel(const GmsqParams p, const StreamShape sh) {
   extern __shared__ __align__(128) uint8_t smem[];
   int* ends_s = reinterpret_cast<int*>(smem + kStages * kStage);
-  int* blk_s = ends_s + (kGmsqMaxExperts + 1);
+  int* blk_s = ends_s + (p.e + 1);
   __shared__ int bad_s;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the epilogue waits itself
@@ -402,7 +408,8 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
 }
 
 struct DeviceInfo {
-  int grid = 0;   // stream CTAs: SM count x resident CTAs a SM
+  int grid = 0;   // most stream CTAs (SM count x resident CTAs a SM at E = 1): the slots sized
+  int sms = 0;
   int major = 0;
   cudaError_t err = cudaSuccess;
 };
@@ -418,18 +425,20 @@ DeviceInfo device_info() {
   if (device < 0 || device >= 64) return DeviceInfo{0, 0, cudaErrorInvalidDevice};
   std::lock_guard<std::mutex> lock(mu);
   if (!done[device]) {
-    int sms = 0, per_sm = 0;
-    di.err = cudaFuncSetAttribute(gmsq_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    int per_sm = 0;
+    di.err = cudaFuncSetAttribute(gmsq_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem_bytes(kGmsqMaxExperts)));
     if (di.err == cudaSuccess)
       di.err = cudaFuncSetAttribute(gmsq_stream_epilogue<false>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * kMaxHalf);
     if (di.err == cudaSuccess)
-      di.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gmsq_stream_kernel, kThreads, kSmem);
+      di.err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gmsq_stream_kernel, kThreads,
+                                                             smem_bytes(1));
     if (di.err == cudaSuccess)
-      di.err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+      di.err = cudaDeviceGetAttribute(&di.sms, cudaDevAttrMultiProcessorCount, device);
     if (di.err == cudaSuccess)
       di.err = cudaDeviceGetAttribute(&di.major, cudaDevAttrComputeCapabilityMajor, device);
-    di.grid = std::min(kMaxCtas, std::max(1, sms * per_sm));
+    di.grid = std::min(kMaxCtas, std::max(1, di.sms * per_sm));
     cache[device] = di;
     done[device] = true;
   }
@@ -457,10 +466,13 @@ cudaError_t launch_gmsq_stream(const GmsqParams& p, bool dequant, cudaStream_t s
   sh.spu = (steps + kChunksPerTile - 1) / kChunksPerTile;
   sh.kchunks = (steps + sh.spu - 1) / sh.spu;
   sh.col_tiles = static_cast<int>((p.n + kCols - 1) / kCols);
-  sh.grid = di.grid;
-  gmsq_stream_kernel<<<sh.grid, kThreads, kSmem, stream>>>(p, sh);
-  cudaError_t err = cudaGetLastError();
+  int per_sm = 0;
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gmsq_stream_kernel,
+                                                                 kThreads, smem_bytes(p.e));
   if (err != cudaSuccess) return err;
+  sh.grid = std::min(di.grid, std::max(1, di.sms * per_sm));  // <= the slots the workspace has
+  gmsq_stream_kernel<<<sh.grid, kThreads, smem_bytes(p.e), stream>>>(p, sh);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
   // The epilogue: a programmatic dependent launch on sm_90 (see the file note).
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(p.m, 65535)));
