@@ -358,6 +358,31 @@ def test_gmsq_cuda_auto_picks_the_stream_kernel_at_decode(torch_cuda, rng, exper
 
 
 @cuda
+@pytest.mark.parametrize("config", ["auto", "stream"])
+@pytest.mark.parametrize("k", [16, 2000])
+def test_gmsq_cuda_stream_at_the_expert_limit(torch_cuda, rng, config, k):
+    """kGmsqMaxExperts (1024) experts, 200 of them with 2-4 rows: the stream kernel's tile map at
+    its largest (8 KB of shared memory: fewer CTAs an SM); on an H200 auto picks it too (>= 400
+    rows, 0.4-0.8 an expert, more touched experts than bm16w's 264 slot groups at N/2 = 32).
+    K = 16 is one partial 64-deep step, K = 2000 ends in one. Both modes, bit for bit."""
+    from ort_ops._cuda_kernels import gmd
+
+    e = 1024
+    counts = np.zeros(e, np.int64)
+    counts[rng.choice(e, 200, replace=False)] = rng.integers(2, 5, 200)
+    m = int(counts.sum()) + 3
+    x, w, ws, xs, gl = _problem(rng, m, k, 64, list(counts), tail=3)
+    *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
+    assert err == 0
+    _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
+    dev = torch_cuda.device("cuda")
+    t = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
+    y, err = gmd(*t, config=config)
+    assert err == 0
+    np.testing.assert_array_equal(y.cpu().numpy(), reference.grouped_matmul_dequant(x, w, ws, xs, gl))
+
+
+@cuda
 def test_gmsq_cuda_stream_refuses_shapes_past_its_workspace(torch_cuda, rng):
     """M * N > 2^24 int32 sums: the forced stream config fails the launch (no workspace was sized
     for it), and auto keeps the tiled kernel there."""
