@@ -22,9 +22,10 @@
 // no memset: CTA 0 writes the error word (the group_list check) with a plain store.
 //
 // Epilogue (gmsq_stream_epilogue): one CTA a row, launched as a programmatic dependent on
-// sm_90 (resident early, its tile map built while the stream runs; it waits for the stream's
-// writes with griddepcontrol.wait). Dequantize, SwiGLU, the row max over all N/2 outputs in
-// one CTA (no cross-CTA handshake), codes; rows past the last group get zeros.
+// sm_90 (resident early: its tile map, the row's tile owners and a prefetch of its scales run
+// while the stream does; it waits for the stream's writes with griddepcontrol.wait only before
+// the first read of the sums). Dequantize, SwiGLU, the row max over all N/2 outputs in one CTA
+// (no cross-CTA handshake), codes; rows past the last group get zeros.
 //
 // B operand and MMA: the tiled kernel's (mma_sync.cuh): [K, N] rows in a swizzled shared
 // tile, 4x4 byte transposes into m16n8k32 B registers, so lane (g, t) of warp w holds physical
@@ -33,8 +34,9 @@
 // Tuning on the H200 (NOTES_moe_cuda.md, session 5), 64 experts at 16 tokens: 3 CTAs of 4 warps
 // an SM with a 4-slot ring beat 2 CTAs with 6 slots by 2 % (same-run medians 93.5 vs 95.4 us), which
 // beat 5 slots and 8 k chunks a tile by 1.5 %; 512-column units on 8-warp CTAs (one an SM) were 6 %
-// slower, the epilogue as a plain launch (no PDL) 1.5 % slower. More CTAs an SM, not longer
-// contiguous runs, is what the stream wants.
+// slower, the epilogue as a plain launch (no PDL) 1.5 % slower; the epilogue's work before its
+// wait (owners, scale prefetch) gained 1.7 % (93.9 -> 92.3 us); 4 CTAs with 3 slots did not
+// (92.7). More CTAs an SM, not longer contiguous runs, is what the stream wants.
 #include "ops/grouped_matmul_swiglu_quant/cuda_stream.cuh"
 
 #include <cuda_runtime.h>
@@ -318,12 +320,18 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
   if (tid < 32)  // the stream kernel reported the map; this copy only locates rows
     epi::build_tile_map(p.group_list, p.group_list_type, M, E, kRows, lane, ends_s, blk_s, &bad_s);
   __syncthreads();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the stream's sums are visible
-#endif
   const int64_t units = static_cast<int64_t>(blk_s[E]) * sh.col_tiles * sh.kchunks;
   const int64_t ctas = units < sh.grid ? units : static_cast<int64_t>(sh.grid);
   const int rows_end = ends_s[E];
+  // Everything up to the first read of the stream's sums (the map, the first row's owners, its
+  // scales pulled into L1) overlaps the stream; then wait for its writes once.
+  bool waited = false;
+  auto wait_stream = [&waited] {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (!waited) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+    waited = true;
+  };
 
   int prev_rb = -1;
   for (int r = blockIdx.x; r < M; r += gridDim.x) {
@@ -355,6 +363,11 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
     }
     const float xs = p.x_scale[r];
     const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
+    if (!waited) {
+      for (int i = tid; i < N / 32; i += nt)  // the row's weight scales, 128-byte lines
+        asm volatile("prefetch.global.L1 [%0];\n" ::"l"(wsr + 32 * i));
+      wait_stream();
+    }
     if constexpr (DEQUANT) {
       // y = (float32(acc) * x_scale) * w_scale (overflow gives Inf: no error, as cuda.cu).
       for (int j = tid; j < pairs; j += nt) {
@@ -405,6 +418,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
     }
     __syncthreads();  // s_out and red_s are reused by the next row
   }
+  wait_stream();  // a CTA of tail rows only: do not finish ahead of the stream's writes
 }
 
 struct DeviceInfo {
