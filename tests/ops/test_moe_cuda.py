@@ -217,6 +217,22 @@ def _run_cuda(torch, x, w, ws, xs, gl, group_list_type=0, config="auto"):
     return y.cpu().numpy(), ys.cpu().numpy(), yo.cpu().numpy(), err
 
 
+def _check_gmd_cuda(torch, x, w, ws, xs, gl, config="auto"):
+    """GroupedMatmulDequant on the GPU: error word 0, every output written, bit-equal to the
+    reference."""
+    from ort_ops._cuda_kernels import gmd
+
+    dev = torch.device("cuda")
+    t = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
+    y, err = gmd(*t, config=config)
+    assert err == 0
+    y = y.cpu().numpy()
+    want = reference.grouped_matmul_dequant(x, w, ws, xs, gl)
+    assert np.all(np.isfinite(y)), "unwritten (NaN-poisoned) outputs"
+    bad = np.argwhere(y != want)
+    assert bad.size == 0, f"{len(bad)} of {y.size} differ, first at {bad[:5].tolist()}"
+
+
 def _assert_exact(got, want):
     y, ys, yo = got
     ry, rys, ryo = want
@@ -269,21 +285,11 @@ def test_gmsq_cuda_matches_reference(torch_cuda, rng, case, config):
                                   "many_rounds"])
 def test_gmd_cuda_matches_reference(torch_cuda, rng, case, config):
     """GroupedMatmulDequant (the down projection, same kernel): float32 y bit for bit."""
-    from ort_ops._cuda_kernels import gmd
-
     m, k, n, counts, tail = CASES[case]
     if case == "many_experts":
         m = sum(counts) + tail
     x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=tail)
-    dev = torch_cuda.device("cuda")
-    t = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
-    y, err = gmd(*t, config=config)
-    assert err == 0
-    y = y.cpu().numpy()
-    want = reference.grouped_matmul_dequant(x, w, ws, xs, gl)
-    assert np.all(np.isfinite(y)), "unwritten (NaN-poisoned) outputs"
-    bad = np.argwhere(y != want)
-    assert bad.size == 0, f"{len(bad)} of {y.size} differ, first at {bad[:5].tolist()}"
+    _check_gmd_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
 
 
 @cuda
@@ -307,8 +313,6 @@ def test_gmsq_cuda_decode_shapes(torch_cuda, rng, experts, topk, config):
     routing), auto (8 experts: bm16w, one round of row blocks; 64 experts: the stream kernel,
     ~616 tiles split evenly over every SM) and bm16w forced (several rounds at 64 experts); the
     dequant mode too."""
-    from ort_ops._cuda_kernels import gmd
-
     t, k, n = 16, 2048, 2816
     ids = np.argsort(rng.random((t, experts)), axis=1)[:, :topk]
     counts = np.bincount(ids.ravel(), minlength=experts)
@@ -317,11 +321,7 @@ def test_gmsq_cuda_decode_shapes(torch_cuda, rng, experts, topk, config):
     *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
     assert err == 0
     _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
-    dev = torch_cuda.device("cuda")
-    tt = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
-    y, err = gmd(*tt, config=config)
-    assert err == 0
-    np.testing.assert_array_equal(y.cpu().numpy(), reference.grouped_matmul_dequant(x, w, ws, xs, gl))
+    _check_gmd_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
 
 
 @cuda
@@ -365,8 +365,6 @@ def test_gmsq_cuda_stream_at_the_expert_limit(torch_cuda, rng, config, k):
     its largest (8 KB of shared memory: fewer CTAs an SM); on an H200 auto picks it too (>= 400
     rows, 0.4-0.8 an expert, more touched experts than bm16w's 264 slot groups at N/2 = 32).
     K = 16 is one partial 64-deep step, K = 2000 ends in one. Both modes, bit for bit."""
-    from ort_ops._cuda_kernels import gmd
-
     e = 1024
     counts = np.zeros(e, np.int64)
     counts[rng.choice(e, 200, replace=False)] = rng.integers(2, 5, 200)
@@ -375,11 +373,7 @@ def test_gmsq_cuda_stream_at_the_expert_limit(torch_cuda, rng, config, k):
     *got, err = _run_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
     assert err == 0
     _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl))
-    dev = torch_cuda.device("cuda")
-    t = [torch_cuda.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
-    y, err = gmd(*t, config=config)
-    assert err == 0
-    np.testing.assert_array_equal(y.cpu().numpy(), reference.grouped_matmul_dequant(x, w, ws, xs, gl))
+    _check_gmd_cuda(torch_cuda, x, w, ws, xs, gl, config=config)
 
 
 @cuda
