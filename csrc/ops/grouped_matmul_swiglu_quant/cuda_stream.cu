@@ -56,9 +56,9 @@ using namespace mma;  // cp.async, ldmatrix, the s8 MMA, B transposes (mma_sync.
 constexpr int kRows = 16;                 // rows of a unit (one m16 tile)
 constexpr int kWarps = 4;
 constexpr int kCols = 64 * kWarps;        // GEMM columns of a unit (contiguous in N): 256
-constexpr int kChunks = kCols / 16;          // 16-byte chunks of a B row
+constexpr int kChunks = kCols / 16;       // 16-byte chunks of a B row
 constexpr int kBK = 64;                   // k per pipeline stage
-constexpr int kThreads = 32 * kWarps;      // one warp a 64-column slice of the unit
+constexpr int kThreads = 32 * kWarps;     // one warp a 64-column slice of the unit
 constexpr int kStages = 4;                // ring slots (3 stages, 48 KB, in flight; 3 CTAs an SM)
 constexpr int kMinCtasPerSm = 3;          // up to E ~ 500 (the tile map's shared memory grows with E)
 constexpr int kChunksPerTile = 16;        // target k chunks a tile (the balancing grain)
@@ -70,7 +70,7 @@ constexpr int kStage = kAStage + kBStage;
 constexpr size_t smem_bytes(int64_t e) {
   return (static_cast<size_t>(kStages) * kStage + 8 * static_cast<size_t>(e + 1) + 15) / 16 * 16;
 }
-constexpr int kEpiMaxThreads = 1024;     // epilogue: one thread a pair of output columns
+constexpr int kEpiMaxThreads = 1024;      // epilogue: one thread a pair of output columns
 constexpr int kMaxHalf = 24576;           // the epilogue keeps a row's N/2 outputs in shared memory
 constexpr int64_t kMaxSums = int64_t{1} << 24;  // M * N int32 sums
 constexpr int kMaxCtas = 1024;
