@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: MIT
-"""GroupedMatmulSwigluQuant's mma.sync kernel on weight_layout 2 ([E, N, K], K-major): the small-M
-path that launch_gmsq picks for layout 2 below ~96 rows an expert (the wgmma kernel above).
+"""GroupedMatmulSwigluQuant's mma.sync kernels on weight_layout 2 ([E, N, K], K-major): the tiled
+kernel's K-major path and the K-major weight stream (config "stream", cuda_stream.cu), which
+launch_gmsq picks for layout 2 below 32 rows an expert (the wgmma kernel above).
 
 Two kinds of test:
 - CPU model of the K-major B tile (runs in CI): the load plan's smem rows, the ldmatrix reads and
   the column relabelling the (unchanged) epilogue relies on, checked with ort_ops.fragments'
   table of m16n8k32, and the bank-conflict claim of the kernel's comment.
 - GPU tests: codes and scales bit for bit against ort_ops.reference in every K-major config
-  (bm16, bm16w, bm32, bm64) on awkward shapes, and the auto dispatch at 16 / 256 / 4096 tokens.
+  (bm16, bm16w, bm32, bm64, stream) on awkward shapes, and the auto dispatch at 16 / 256 / 4096
+  tokens.
 
 Alphabet: M rows, K reduction, N GEMM columns (N/2 outputs), E experts.
 """
@@ -103,9 +105,47 @@ def test_kmajor_ldmatrix_is_bank_conflict_free(warps_n):
                     assert len(quads) == 8
 
 
+def test_kmajor_stream_fragments_take_every_k_once(rng):
+    """gmsq_stream_km_kernel's register fragments (cuda_stream.cu): lane (g, t) loads 16 bytes
+    k = 16 t .. 16 t + 15 of B column g and of A rows g, g + 8 for one 64-deep k step; MMA h takes
+    its words 2 h, 2 h + 1 (A as {row g, row g + 8, row g, row g + 8}). Through the m16n8k32 table,
+    each MMA's logical (row, k) and (k, column) slots must hold one physical k, the same one in A
+    and in B, every physical k of the step once over the two MMAs, so that the two int32 sums are
+    the step's exact product."""
+    tgt = fr.TARGETS["nvidia_m16n8k32"]
+    x = rng.integers(-128, 128, (16, 64), dtype=np.int64)
+    w_nk = rng.integers(-128, 128, (8, 64), dtype=np.int64)  # B, [column][k]
+    taken = np.zeros((8, 64), np.int64)
+    total = np.zeros((16, 8), np.int64)
+    for h in range(2):
+        a_phys, b_phys = {}, {}  # logical slot -> physical k
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            words = [16 * t + 4 * i for i in range(4)]  # first physical k of each loaded word
+            a_regs = [(g, words[2 * h]), (g + 8, words[2 * h]), (g, words[2 * h + 1]), (g + 8, words[2 * h + 1])]
+            for reg, (row, k0) in enumerate(a_regs):
+                for byte in range(4):
+                    lrow, lk = tgt.a[lane][reg][byte]
+                    assert lrow == row
+                    a_phys[(lrow, lk)] = k0 + byte
+            for reg in range(2):
+                for byte in range(4):
+                    lk, col = tgt.b[lane][reg][byte]
+                    assert col == g
+                    b_phys[(lk, col)] = words[2 * h + reg] + byte
+        assert len(a_phys) == 16 * 32 and len(b_phys) == 32 * 8
+        for (lk, col), pk in b_phys.items():
+            taken[col, pk] += 1
+            for row in range(16):
+                assert a_phys[(row, lk)] == pk  # the same relabelling in A and in B
+                total[row, col] += x[row, pk] * w_nk[col, pk]
+    assert (taken == 1).all()
+    np.testing.assert_array_equal(total, x @ w_nk.T)
+
+
 # ---- GPU ----
 
-KM_CONFIGS = ["bm16", "bm16w", "bm32", "bm64"]
+KM_CONFIGS = ["bm16", "bm16w", "bm32", "bm64", "stream"]
 torch_cuda = _moe.torch_cuda  # the fixture: skips without torch, a GPU or a CUDA build
 
 
@@ -147,7 +187,7 @@ def test_gmsq_kmajor_matches_reference(torch_cuda, rng, case, config):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", ["bm16", "bm64"])
+@pytest.mark.parametrize("config", ["bm16", "bm64", "stream"])
 def test_gmsq_kmajor_counts_and_errors(torch_cuda, rng, config):
     """group_list_type 1, a bad group_list (error word, no fault), a non-finite x_scale."""
     from ort_ops._cuda_kernels import ERR_GROUP_LIST, ERR_NON_FINITE
@@ -182,10 +222,11 @@ def _kernel_names(torch, fn):
 @pytest.mark.parametrize("experts,topk,tokens", [(8, 2, 16), (64, 8, 16), (8, 2, 256), (64, 8, 256),
                                                  (8, 2, 4096)])
 def test_gmsq_layout2_auto_dispatch(torch_cuda, rng, experts, topk, tokens):
-    """Layout 2, auto config, the benchmark's shapes (hidden 2048, intermediate 1408): the mma.sync
-    K-major kernel below 32 rows an expert on average, the ping-pong wgmma kernel from 32 on
-    (N/2 = 1408 needs 22 of its 64-column tiles, fewer than the SMs); bit-exact either way
-    (at 4096 tokens against the reference on the first two experts' rows: rows are independent)."""
+    """Layout 2, auto config, the benchmark's shapes (hidden 2048, intermediate 1408): the K-major
+    weight stream pair up to 4 rows an expert on average, the mma.sync K-major kernel below 32,
+    the ping-pong wgmma kernel from 32 on (N/2 = 1408 needs 22 of its 64-column tiles, fewer than
+    the SMs); bit-exact either way (at 4096 tokens against the reference on the first two
+    experts' rows: rows are independent)."""
     from benchmarks.bench_moe_cuda import routing
     from ort_ops._cuda_kernels import GmsqRunner, pack_weight_kmajor
 
@@ -199,7 +240,6 @@ def test_gmsq_layout2_auto_dispatch(torch_cuda, rng, experts, topk, tokens):
     r.poison()
     names = _kernel_names(torch, r.launch)
     assert r.error_word() == 0
-    wgmma = m // experts >= 32
     y, ys, yo = r.y.cpu().numpy(), r.y_scale.cpu().numpy(), r.y_offset.cpu().numpy()
     rows = m if m <= 2048 else int(gl[1])
     e = experts if m <= 2048 else 2
@@ -207,5 +247,8 @@ def test_gmsq_layout2_auto_dispatch(torch_cuda, rng, experts, topk, tokens):
     _assert_exact((y[:rows], ys[:rows], yo[:rows]), want)
     if not names:
         pytest.skip("codes exact, but the profiler recorded no CUDA kernels (CUPTI unavailable)")
-    gmsq = [s for s in names if "gmsq" in s]  # gmsq_kernel<...> or gmsq_wgmma_pp_kernel
-    assert len(gmsq) == 1 and ("gmsq_wgmma_pp_kernel" in gmsq[0]) == wgmma, names
+    gmsq = [s for s in names if "gmsq" in s]
+    if m <= 4 * experts:
+        assert len(gmsq) == 2 and "gmsq_stream_km_kernel" in gmsq[0] and "gmsq_stream_epilogue" in gmsq[1], names
+    else:  # gmsq_kernel<...> or gmsq_wgmma_pp_kernel
+        assert len(gmsq) == 1 and ("gmsq_wgmma_pp_kernel" in gmsq[0]) == (m // experts >= 32), names

@@ -574,11 +574,16 @@ int auto_config(int64_t m, int64_t e) {
 // (NOTES_moe_cuda.md, session 5): 64e T=16 87 vs 103 us; 8e T=16 25.2-25.6 either way; 64e T=64
 // (8 rows an expert) 123 vs 112, hence the 4.
 constexpr int64_t kStreamMaxAvgRows = 4;
+//
+// On weight_layout 2 ([E, N, K]) the K-major stream reads each tile's weights as one contiguous
+// run with no transpose, and auto runs it at every expert count up to 4 rows an expert
+// (NOTES_moe_cuda.md, session 6).
 template <int MODE>
 bool auto_stream(const GmsqParams& p) {
-  if (p.config != kGmsqAuto || p.weight_layout != 0 || p.e <= 0 ||
-      p.m > kStreamMaxAvgRows * p.e || gmsq_stream_workspace_bytes(p.m, p.n) == 0)
+  if (p.config != kGmsqAuto || (p.weight_layout != 0 && p.weight_layout != kGmsqLayoutKMajor) ||
+      p.e <= 0 || p.m > kStreamMaxAvgRows * p.e || gmsq_stream_workspace_bytes(p.m, p.n) == 0)
     return false;
+  if (p.weight_layout == kGmsqLayoutKMajor) return true;
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   const LaunchInfo li = launch_info<1, 4, 1, 6, 1, MODE, false>(device);  // bm16w

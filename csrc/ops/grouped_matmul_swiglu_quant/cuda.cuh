@@ -40,7 +40,7 @@ enum GmsqConfig : int {
   kGmsqBm128 = 2,      // 128 x 128: GEMM-bound (prefill)
   kGmsqBm16Wide = 3,   // 16 x 128, no k split
   kGmsqBm32 = 4,       // 32 x 64, k split
-  kGmsqStream = 5,     // decode: balanced weight stream + epilogue kernel (cuda_stream.cuh)
+  kGmsqStream = 5,     // decode: balanced weight stream + epilogue kernel (cuda_stream.cuh), layouts 0 and 2
   kGmsqNumConfigs = 6
 };
 
@@ -62,12 +62,13 @@ struct GmsqParams {
   // C = ceil(N/2 / 128) and row k of tile c = W[k, 128c .. +128) | W[k, N/2 + 128c .. +128),
   // zero-padded past N/2 (ort_ops._cuda_kernels.pack_weight). Configs bm16w, bm64, bm128 only.
   // 2: [E, N, K] (K-major; launch_gmsq only): config bm128 is the Hopper wgmma kernel
-  // (cuda_wgmma.cuh), bm16 / bm16w / bm32 / bm64 this kernel with ldmatrix B reads; auto picks
-  // bm16w below 32 rows an expert on average, wgmma from 32 on (off Hopper: the layout-0 rule
-  // with bm64 for bm128).
+  // (cuda_wgmma.cuh), bm16 / bm16w / bm32 / bm64 this kernel with ldmatrix B reads, stream the
+  // K-major weight stream (cuda_stream.cuh); auto picks the stream up to 4 rows an expert on
+  // average, bm16w below 32, wgmma from 32 on (off Hopper: the layout-0 rule with bm64 for bm128).
   int weight_layout = 0;
 };
 constexpr int kGmsqPackedCols = 128;
+constexpr int kGmsqLayoutKMajor = 2;  // GmsqParams::weight_layout [E, N, K]
 
 // Device scratch the launchers need: the error word, the row amax and the per-tile counters of
 // the tiled kernels, or the stream kernel's int32 sums where that shape is eligible (the larger).

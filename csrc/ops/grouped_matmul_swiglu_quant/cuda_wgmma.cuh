@@ -17,8 +17,6 @@
 
 namespace ort_ops::gmsq_cuda {
 
-constexpr int kGmsqLayoutKMajor = 2;  // GmsqParams::weight_layout of the wgmma kernel
-
 // Same requirements as launch_gmsq (cuda.cuh) plus: a compute capability 9.x device
 // (cudaErrorNotSupported otherwise), 16-byte aligned x and weight (TMA), E * N < 2^31.
 // `config` is ignored here (128-row tiles: the ping-pong kernel's 64 outputs a warpgroup, or
