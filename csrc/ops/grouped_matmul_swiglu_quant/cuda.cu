@@ -566,31 +566,17 @@ int auto_config(int64_t m, int64_t e) {
   return avg <= 32 ? kGmsqBm16Wide : avg <= 96 ? kGmsqBm64 : kGmsqBm128;
 }
 
-// Auto on the contract's layout at decode (<= 4 rows an expert on average: one row block an
-// expert, mostly): the stream pair (cuda_stream.cuh) when bm16w's row blocks would not fit one
-// round of its slot groups (more experts touched than 2 x SMs / column tiles: 24 on an H200 at
-// N/2 = 1408, so 64 experts top-8), where the rounds leave SMs idle; bm16w otherwise (one round:
-// equal time, and its single kernel has the lower fixed cost at more rows). H200, same runs
-// (NOTES_moe_cuda.md, session 5): 64e T=16 87 vs 103 us; 8e T=16 25.2-25.6 either way; 64e T=64
-// (8 rows an expert) 123 vs 112, hence the 4.
+// Auto at decode (<= 4 rows an expert on average: one row block an expert, mostly): the stream
+// pair (cuda_stream.cuh), on the contract's layout and on weight_layout 2 (its K-major stream).
+// H200, same runs (NOTES_moe_cuda.md): 64e T=16 87-92 vs bm16w 102-105 us (session 5); 8e T=16,
+// once the epilogue's slot loads went out together (session 6), 22.75 vs 25.10 us (5 alternated
+// rounds; the two were level before); 64e T=64 (8 rows an expert) 123 vs 112, hence the 4. For
+// layout 2 the K-major stream against the tiled K-major kernel: 103 vs 149 us (64e), 26.4 vs
+// 27.5 (8e).
 constexpr int64_t kStreamMaxAvgRows = 4;
-//
-// On weight_layout 2 ([E, N, K]) the K-major stream reads each tile's weights as one contiguous
-// run with no transpose, and auto runs it at every expert count up to 4 rows an expert
-// (NOTES_moe_cuda.md, session 6).
-template <int MODE>
 bool auto_stream(const GmsqParams& p) {
-  if (p.config != kGmsqAuto || (p.weight_layout != 0 && p.weight_layout != kGmsqLayoutKMajor) ||
-      p.e <= 0 || p.m > kStreamMaxAvgRows * p.e || gmsq_stream_workspace_bytes(p.m, p.n) == 0)
-    return false;
-  if (p.weight_layout == kGmsqLayoutKMajor) return true;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const LaunchInfo li = launch_info<1, 4, 1, 6, 1, MODE, false>(device);  // bm16w
-  if (li.err != cudaSuccess) return false;
-  const int64_t col_tiles = std::max<int64_t>(1, (p.n / 2 + kOutPerWarp * 4 - 1) / (kOutPerWarp * 4));
-  const int64_t slots = static_cast<int64_t>(li.blocks_per_sm) * li.sms / col_tiles;
-  return std::min(p.e, p.m) > slots;
+  return p.config == kGmsqAuto && (p.weight_layout == 0 || p.weight_layout == kGmsqLayoutKMajor) &&
+         p.e > 0 && p.m <= kStreamMaxAvgRows * p.e && gmsq_stream_workspace_bytes(p.m, p.n) != 0;
 }
 
 template <int MODE>
@@ -607,7 +593,7 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   s.amax = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + 16);
   s.counters = reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16 +
                                       align16(4 * static_cast<size_t>(p.m)));
-  if (p.m > 0 && p.n > 0 && p.e > 0 && p.k > 0 && (p.config == kGmsqStream || auto_stream<MODE>(p)))
+  if (p.m > 0 && p.n > 0 && p.e > 0 && p.k > 0 && (p.config == kGmsqStream || auto_stream(p)))
     return launch_gmsq_stream(p, MODE == kDequant, stream);  // no memset: see cuda_stream.cu
   cudaError_t err = cudaMemsetAsync(p.workspace, 0, tiled_workspace_bytes(p.m, p.e), stream);
   if (err != cudaSuccess || p.m == 0) return err;
