@@ -231,9 +231,9 @@ def skip_without_cuda_ep() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,e", [(4096, 8), (300, 4), (16, 8)])
 def test_enk_model_on_cuda_ep(rng, m, e):
-    """An "ENK" model on ORT's CUDA EP (the wgmma kernel on sm_90 for many rows an expert)
-    equals the CPU reference bit for bit and runs there (other GPUs take the mma.sync kernel's
-    K-major path at every row count, also bit-exact). Skips without onnxruntime-gpu, torch with CUDA or a CUDA build."""
+    """An "ENK" model on ORT's CUDA EP (the wgmma kernel on sm_90 for many rows an expert, the
+    K-major decode stream at 2 rows an expert) equals the CPU reference bit for bit and runs
+    there (other GPUs take the mma.sync kernels' K-major paths at every row count, also bit-exact). Skips without onnxruntime-gpu, torch with CUDA or a CUDA build."""
     import json
 
     import onnxruntime as ort
