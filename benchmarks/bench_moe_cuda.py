@@ -193,31 +193,21 @@ def main(argv=None):
 
             results = {}
             configs = [c for c in args.configs.split(",") if c]
-            for cfg in configs:
-                runner = GmsqRunner(x_d, w_d, ws_d, xs_d, gl_d, config=cfg)
+            # (config, weight, weight_layout, name in the log, result row)
+            runs = ([(cfg, w_d, 0, cfg, f"ours[{cfg}]") for cfg in configs]
+                    + [(cfg, w_km, 2, f"layout 2 {cfg}", f"ours layout2[{cfg}] [E,N,K]") for cfg in wg_configs])
+            for cfg, weight, layout, what, row in runs:
+                runner = GmsqRunner(x_d, weight, ws_d, xs_d, gl_d, config=cfg, layout=layout)
                 try:
                     runner.launch()
                 except RuntimeError as ex:  # e.g. stream past its M * N bound: say so, go on
-                    print(f"{label}: {cfg} not run: {ex}", flush=True)
+                    print(f"{label}: {what} not run: {ex}", flush=True)
                     continue
                 if not args.no_check:
                     err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
-                    print(f"{label}: check vs reference ({cfg}): err word {err}, codes equal {eq:.6f}, "
+                    print(f"{label}: check vs reference ({what}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)
-                results[f"ours[{cfg}]"] = time_graph(torch, runner.launch, args.iters, flush)
-
-            for cfg in wg_configs:
-                runner = GmsqRunner(x_d, w_km, ws_d, xs_d, gl_d, config=cfg, layout=2)
-                try:
-                    runner.launch()
-                except RuntimeError as ex:  # e.g. stream past its M * N bound: say so, go on
-                    print(f"{label}: layout 2 {cfg} not run: {ex}", flush=True)
-                    continue
-                if not args.no_check:
-                    err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
-                    print(f"{label}: check vs reference (layout 2 {cfg}): err word {err}, codes equal {eq:.6f}, "
-                          f"scales bit-equal {scales_eq}", flush=True)
-                results[f"ours layout2[{cfg}] [E,N,K]"] = time_graph(torch, runner.launch, args.iters, flush)
+                results[row] = time_graph(torch, runner.launch, args.iters, flush)
             if not args.no_packed:
                 packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
                 results["ours[auto] packed B"] = time_graph(torch, packed.launch, args.iters, flush)
