@@ -5,7 +5,8 @@ Shapes: E experts top-k, hidden H (= K), intermediate I (N = 2 I for the SwiGLU 
 so M = T * k routed rows, sorted by expert (uniform random routing, k distinct experts a token).
 
 Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed (by
-reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T):
+reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T);
+the replays of one case are timed interleaved, each iteration once each in a rotating order:
   ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out), per
             --configs: auto, the tiled kernel's bm16 / bm16w / bm32 / bm64 / bm128, or stream (the
             decode pair of cuda_stream.cu, which auto picks up to 4 rows an expert)
@@ -53,8 +54,9 @@ def routing(rng, t, e, k):
 FLUSH_MODE = "read"
 
 
-def time_graph(torch, fn, iters, flush):
-    """Median and p90 (us) of replays of a CUDA graph of fn(), L2 flushed before each."""
+def capture(torch, fn):
+    """fn() warmed up and captured in a CUDA graph: returns its replay (fn itself where stream
+    capture refuses the launch)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -74,22 +76,37 @@ def time_graph(torch, fn, iters, flush):
     for _ in range(3):
         replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        # Evict L2 by reading 256 MB (a write-based flush leaves ~60 MB of dirty lines whose
-        # write-back then competes with the timed kernel's reads).
-        if FLUSH_MODE == "read":
-            flush.max()
-        else:
-            flush.zero_()
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return float(np.median(times)), float(np.percentile(times, 90))
+    return replay
+
+
+def time_interleaved(torch, replays, iters, flush):
+    """Median and p90 (us) of each replay, L2 flushed before every timed one. Each iteration times
+    every entry once, in an order that rotates, so that no entry always runs first after the
+    host-side work between cases (the first-timed entry used to come out 1-2 us slow)."""
+    names = list(replays)
+    times = {n: [] for n in names}
+    for i in range(iters):
+        for j in range(len(names)):
+            n = names[(i + j) % len(names)]
+            # Evict L2 by reading 256 MB (a write-based flush leaves ~60 MB of dirty lines whose
+            # write-back then competes with the timed kernel's reads).
+            if FLUSH_MODE == "read":
+                flush.max()
+            else:
+                flush.zero_()
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            replays[n]()
+            b.record()
+            b.synchronize()
+            times[n].append(a.elapsed_time(b) * 1e3)
+    return {n: (float(np.median(v)), float(np.percentile(v, 90))) for n, v in times.items()}
+
+
+def time_graph(torch, fn, iters, flush):
+    """Median and p90 (us) of replays of a CUDA graph of fn(), L2 flushed before each."""
+    return time_interleaved(torch, {"fn": capture(torch, fn)}, iters, flush)["fn"]
 
 
 def check(torch, runner, x, w, ws, xs, counts):
@@ -191,7 +208,7 @@ def main(argv=None):
             bytes_min = active * k_dim * n_dim + m * k_dim + m * inter + 8 * m
             label = f"{e}e top{topk} T={t}"
 
-            results = {}
+            replays = {}  # timed together below, interleaved
             configs = [c for c in args.configs.split(",") if c]
             # (config, weight, weight_layout, name in the log, result row)
             runs = ([(cfg, w_d, 0, cfg, f"ours[{cfg}]") for cfg in configs]
@@ -207,13 +224,13 @@ def main(argv=None):
                     err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
                     print(f"{label}: check vs reference ({what}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)
-                results[row] = time_graph(torch, runner.launch, args.iters, flush)
+                replays[row] = capture(torch, runner.launch)
             if not args.no_packed:
                 packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
-                results["ours[auto] packed B"] = time_graph(torch, packed.launch, args.iters, flush)
+                replays["ours[auto] packed B"] = capture(torch, packed.launch)
             if not args.no_floor:
                 floor = GmsqRunner(x_d, w_d, ws_d, xs_d, torch.zeros_like(gl_d))
-                results["ours floor (no rows)"] = time_graph(torch, floor.launch, args.iters, flush)
+                replays["ours floor (no rows)"] = capture(torch, floor.launch)
 
             x_bf16 = (x_d.float() * xs_d[:, None]).to(torch.bfloat16)
 
@@ -227,7 +244,7 @@ def main(argv=None):
 
             if not args.no_peers:
                 try:
-                    results["bf16 grouped_mm+swiglu+quant"] = time_graph(torch, bf16_peer, args.iters, flush)
+                    replays["bf16 grouped_mm+swiglu+quant"] = capture(torch, bf16_peer)
                 except Exception as ex:  # noqa: BLE001
                     print(f"{label}: bf16 peer failed: {type(ex).__name__}: {ex}")
                 if w_fp8 is not None:
@@ -239,12 +256,13 @@ def main(argv=None):
                                                         out_dtype=torch.bfloat16)
 
                     try:
-                        results["fp8 scaled_grouped_mm (GEMM only)"] = time_graph(torch, fp8_peer, args.iters, flush)
+                        replays["fp8 scaled_grouped_mm (GEMM only)"] = capture(torch, fp8_peer)
                     except Exception as ex:  # noqa: BLE001
                         print(f"{label}: fp8 peer failed: {type(ex).__name__}: {str(ex)[:300]}")
                 else:
                     print(f"{label}: fp8 peer unavailable: {fp8_reason}")
 
+            results = time_interleaved(torch, replays, args.iters, flush)
             base = results.get("bf16 grouped_mm+swiglu+quant", (float("nan"),))[0]
             for name, (med, p90) in results.items():
                 row = {"case": label, "E": e, "topk": topk, "tokens": t, "M": m, "active_experts": active,
