@@ -351,9 +351,10 @@ struct KmStep {
 //
 // Why it is slower than the [E, K, N] stream (H200, 64e T=16: 103 vs 91 us, ncu): its warps wait
 // on DRAM (long-scoreboard stalls 5.8 an issue, DRAM 78 % busy against 81 %): 64 KB a SM in
-// flight in registers against the cp.async ring's ~150 KB. It replaces the tiled K-major kernel at
-// decode (149 us at 64e T=16), so a model packed "ENK" for prefill decodes 13-17 % behind "EKN"
-// (64 % before).
+// flight in registers against the cp.async ring's ~150 KB. Auto runs it where the [E, K, N]
+// stream runs (more experts touched than bm16w's slot groups): there it replaces the tiled
+// K-major kernel (64e T=16: 104 against 149 us), so a model packed "ENK" for prefill decodes
+// 13-17 % behind "EKN" (64 % before).
 __global__ void __launch_bounds__(kKmThreads, kKmMinCtas)
     gmsq_stream_km_kernel(const GmsqParams p, const StreamShape sh) {
   extern __shared__ __align__(128) uint8_t smem[];
