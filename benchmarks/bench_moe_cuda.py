@@ -104,11 +104,6 @@ def time_interleaved(torch, replays, iters, flush):
     return {n: (float(np.median(v)), float(np.percentile(v, 90))) for n, v in times.items()}
 
 
-def time_graph(torch, fn, iters, flush):
-    """Median and p90 (us) of replays of a CUDA graph of fn(), L2 flushed before each."""
-    return time_interleaved(torch, {"fn": capture(torch, fn)}, iters, flush)["fn"]
-
-
 def check(torch, runner, x, w, ws, xs, counts):
     """Fraction of our codes equal to the reference's, and whether the scales match exactly."""
     from ort_ops import reference
