@@ -7,13 +7,16 @@ Decode: batch 1 and 32, 32 query / 8 kv heads, head_dim 128, context 4k / 8k / 1
     bf16 K/V. GPU time by CUDA events around each call, L2 flushed before each call (--flush:
     reading 256 MB, the default, or writing it; a write leaves ~50 MB of dirty lines whose
     write-back then competes with the timed call's reads, which costs a small call several us),
-    median and p90 of --iters calls. Achieved bandwidth counts the bytes that must be
+    median and p90 of --iters calls. The GPU-timed launches of a case (ours in each mode, cuDNN,
+    FlashInfer) are timed interleaved, each behind a GPU hold that hides the host's launch cost
+    (benchmarks/gpu_timing.py: cold instruction caches, as between a model's layers); eager
+    launches, or CUDA-graph replays with --graph. Achieved bandwidth counts the bytes that must be
     read: INT8 K and V plus the two per-token float32 scales (ours), bf16 K and V (SDPA),
     against the measured copy ceiling 4.28 TB/s (../shared/GPU.md).
 Prefill with history: 512 new queries on 4k / 8k / 16k of history, batch 1 (INT8 P.V vs its
     float twin: where the matrix units, not memory, bound the kernel), on the 64-row prefill
     kernel (rows ours-*) and on the general kernel (rows general-*, ORT_OPS_PA_PREFILL=general)
-    in the same process, alternated (--prefill-kernels, --rounds); TOP/s counts 4 ops per
+    in the same process, interleaved (--prefill-kernels; --rounds x --iters calls each); TOP/s counts 4 ops per
     (row, visible key, d) (Q.K and P.V multiply-adds).
 Peers in the same decode run, each optional (skipped with a printed reason where its package or
     the CUDA EP is missing):
@@ -48,9 +51,13 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_timing import capture, evict_l2, flush_buffer, time_interleaved, warm_up
 from ort_ops import _cuda
 
 COPY_CEILING_TBS = 4.28
@@ -60,35 +67,6 @@ READ_CEILING_TBS = 4.35
 FLUSH_MODE = "read"  # --flush
 
 
-def _flush_buffer():
-    return torch.ones(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
-
-
-def _evict_l2(flush) -> None:
-    """Evicts L2 before a timed call by streaming 256 MB through it (read or write, --flush)."""
-    if FLUSH_MODE == "read":
-        flush.max()
-    else:
-        flush.zero_()
-
-
-def time_gpu(fn, iters: int, flush) -> list[float]:
-    """Microseconds of GPU time per call, L2 flushed before each."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        _evict_l2(flush)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return times
-
-
 def time_wall(fn, iters: int, flush) -> list[float]:
     """Microseconds of wall time per call (host call to device idle), L2 flushed before each."""
     for _ in range(3):
@@ -96,7 +74,7 @@ def time_wall(fn, iters: int, flush) -> list[float]:
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        _evict_l2(flush)
+        evict_l2(flush, FLUSH_MODE)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -264,8 +242,10 @@ def ort_gqa_int8(batch, ctx, hq, hkv, d, iters, flush, gen):
     return t, rel
 
 
-def flashinfer_decode(batch, ctx, hq, hkv, d, page, kv_dtype, iters, flush, gen, workspace):
-    """FlashInfer paged decode (tensor cores), bf16 query, NHD pages of `page` tokens, scattered."""
+def flashinfer_decode(batch, ctx, hq, hkv, d, page, kv_dtype, gen, workspace):
+    """FlashInfer paged decode (tensor cores), bf16 query, NHD pages of `page` tokens, scattered:
+    returns its run(), planned in the wrapper's CUDA-graph mode (fixed index buffers) so that it
+    can be captured like ours. Each wrapper needs its own workspace (the plan lives there)."""
     import flashinfer
 
     npg = -(-ctx // page)
@@ -278,7 +258,9 @@ def flashinfer_decode(batch, ctx, hq, hkv, d, page, kv_dtype, iters, flush, gen,
     if kv_dtype != torch.bfloat16:
         cache = cache.to(kv_dtype)
     q = torch.randn((batch, hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr.clone(),
+        paged_kv_indices_buffer=indices.clone(), paged_kv_last_page_len_buffer=last.clone())
     w.plan(indptr, indices, last, hq, hkv, d, page, pos_encoding_mode="NONE",
            q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
 
@@ -287,7 +269,7 @@ def flashinfer_decode(batch, ctx, hq, hkv, d, page, kv_dtype, iters, flush, gen,
 
     run()
     torch.cuda.synchronize()
-    return time_gpu(run, iters, flush)
+    return run
 
 
 def make_paged_cache(batch, context, hkv, d, block, gen):
@@ -329,14 +311,32 @@ def dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, scale, seqs):
     return torch.cat(outs)
 
 
+def launcher(args):
+    """How a timed call is prepared: captured in a CUDA graph (--graph) or launched eagerly
+    (after three untimed calls). Either way the timing holds the GPU until the call is
+    enqueued (gpu_timing.time_interleaved), so the host's launch cost is not timed."""
+    if args.graph:
+        return lambda fn: capture(torch, fn)
+
+    def eager(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        return fn
+
+    return eager
+
+
 def bench_decode(args, writer, flush, gen):
     hq, hkv, d = args.hq, args.hkv, args.head_dim
     rows = []
+    prepare = launcher(args)
     peers = set(args.peers)
     why = peer_reasons(peers)
     for p in sorted(peers):
         print(f"peer {p}: " + (f"skipped: {why[p]}" if why.get(p) else "runs"), file=sys.stderr, flush=True)
-    workspace = (torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    workspace = ({impl: torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+                  for impl in ("flashinfer-bf16", "flashinfer-fp8")}
                  if "flashinfer" in peers and not why.get("flashinfer") else None)
     if "ort-noop" in peers and not why.get("ort-noop"):
         try:
@@ -351,6 +351,8 @@ def bench_decode(args, writer, flush, gen):
             kv_bytes = batch * ctx * hkv * (2 * d + 8)
             scale = 1.0 / math.sqrt(d)
             ref = dequantized_attention(q, kc, vc, ks, vs, tables, lens, None, scale, min(batch, 2))
+            # GPU-timed launches of this case, captured, then timed interleaved: name -> row fields.
+            replays, meta = {}, {}
             for pv in args.pv:
                 for splits in args.splits:
                     pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
@@ -358,13 +360,9 @@ def bench_decode(args, writer, flush, gen):
                     out = pa()
                     st = pa.status()
                     rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
-                    t = time_gpu(pa, args.iters, flush)
-                    med = statistics.median(t)
-                    rows.append({"mode": "decode", "impl": f"ours-{pv}", "batch": batch, "context": ctx,
-                                     "splits": pa.nsplit, "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))],
-                                     "tb_s": kv_bytes / med / 1e6, "frac_copy": kv_bytes / med / 1e6 / COPY_CEILING_TBS,
-                                     "rel_l2_vs_dequant": rel, "status": st})
-                    writer(rows[-1])
+                    name = f"ours-{pv}" + (f" splits={pa.nsplit}" if len(args.splits) > 1 else "")
+                    replays[name] = prepare(pa)
+                    meta[name] = {"impl": f"ours-{pv}", "nbytes": kv_bytes, "rel": rel, "splits": pa.nsplit, "status": st}
             if "ours-ort" in peers:
                 for pv in args.ort_pv:
                     if why.get("ours-ort"):
@@ -385,7 +383,6 @@ def bench_decode(args, writer, flush, gen):
                     except Exception as e:  # noqa: BLE001
                         print(f"ours ORT session pv {pv} batch {batch} ctx {ctx}: {type(e).__name__}: {e}",
                               file=sys.stderr, flush=True)
-            del kc, vc, ks, vs
             # torch SDPA bf16, cuDNN backend, native GQA, contiguous K/V.
             try:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -398,27 +395,26 @@ def bench_decode(args, writer, flush, gen):
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)
 
-                t = time_gpu(sdpa, args.iters, flush)
-                med = statistics.median(t)
-                b16 = batch * ctx * hkv * d * 2 * 2
-                rows.append({"mode": "decode", "impl": "sdpa-cudnn-bf16", "batch": batch, "context": ctx, "splits": "",
-                                 "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": b16 / med / 1e6,
-                                 "frac_copy": b16 / med / 1e6 / COPY_CEILING_TBS, "rel_l2_vs_dequant": "", "status": ""})
-                writer(rows[-1])
+                replays["sdpa-cudnn-bf16"] = prepare(sdpa)
+                meta["sdpa-cudnn-bf16"] = {"impl": "sdpa-cudnn-bf16", "nbytes": batch * ctx * hkv * d * 2 * 2}
             except Exception as e:  # noqa: BLE001  (report and go on: a peer missing is not our failure)
                 print(f"sdpa cudnn bf16 batch {batch} ctx {ctx}: {type(e).__name__}: {e}", file=sys.stderr)
-            torch.cuda.empty_cache()
             if "flashinfer" in peers and not why.get("flashinfer"):
                 for kv_dtype, impl, elem in ((torch.bfloat16, "flashinfer-bf16", 2),
                                              (torch.float8_e4m3fn, "flashinfer-fp8", 1)):
                     try:
-                        t = flashinfer_decode(batch, ctx, hq, hkv, d, args.block, kv_dtype, args.iters, flush,
-                                              gen, workspace)
-                        rows.append(_row(impl, batch, ctx, t, batch * ctx * hkv * d * 2 * elem))
-                        writer(rows[-1])
+                        replays[impl] = prepare(flashinfer_decode(batch, ctx, hq, hkv, d, args.block,
+                                                                         kv_dtype, gen, workspace[impl]))
+                        meta[impl] = {"impl": impl, "nbytes": batch * ctx * hkv * d * 2 * elem}
                     except Exception as e:  # noqa: BLE001
                         print(f"{impl} batch {batch} ctx {ctx}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                    torch.cuda.empty_cache()
+            for name, t in time_interleaved(torch, replays, args.iters, flush, FLUSH_MODE).items():
+                m = meta[name]
+                rows.append(_row(m["impl"], batch, ctx, t, m["nbytes"], m.get("rel", ""), m.get("splits", ""),
+                                 m.get("status", "")))
+                writer(rows[-1])
+            del kc, vc, ks, vs, replays
+            torch.cuda.empty_cache()
             if "ort-gqa" in peers and not why.get("ort-gqa"):
                 try:
                     t, rel = ort_gqa_int8(batch, ctx, hq, hkv, d, args.iters, flush, gen)
@@ -437,6 +433,7 @@ def bench_prefill(args, writer, flush, gen):
     --rounds rounds in one process; each row's median is over all its rounds' calls."""
     hq, hkv, d = args.hq, args.hkv, args.head_dim
     rows = []
+    prepare = launcher(args)
     new = args.prefill_new
     for hist in args.context:
         ctx = hist + new
@@ -444,22 +441,23 @@ def bench_prefill(args, writer, flush, gen):
         q = (torch.randn((new, hq, d), device="cuda", generator=gen) * 2).half()
         cu = torch.tensor([0, new], dtype=torch.int32, device="cuda")
         ref = dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, 1.0 / math.sqrt(d), 1)
-        runs = {}
+        runs, replays = {}, {}
         for kernel in args.prefill_kernels:
             for pv in args.pv:
+                # The launcher reads ORT_OPS_PA_PREFILL at each launch: the graph keeps the kernel
+                # chosen at capture.
                 with _prefill_kernel_env(kernel):
                     pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, cu, pv_quant=pv,
                                               partition_size=args.partition, max_q_len=new)
                     pa.status_word.zero_()
                     out = pa()
                     st = pa.status()
+                    replays[(kernel, pv)] = prepare(pa)
                 rel = float((out.float() - ref).norm() / ref.norm())
-                runs[(kernel, pv)] = (pa, st, rel, [])
-        for _ in range(args.rounds):
-            for (kernel, pv), (pa, _st, _rel, times) in runs.items():
-                with _prefill_kernel_env(kernel):
-                    times += time_gpu(pa, args.iters, flush)
-        for (kernel, pv), (pa, st, rel, t) in runs.items():
+                runs[(kernel, pv)] = (pa, st, rel)
+        times = time_interleaved(torch, replays, args.iters * args.rounds, flush, FLUSH_MODE)
+        for (kernel, pv), (pa, st, rel) in runs.items():
+            t = times[(kernel, pv)]
             med = statistics.median(t)
             flops = 4.0 * new * hq * d * (hist + (new + 1) / 2)
             impl = f"ours-{pv}" if kernel == "prefill" else f"general-{pv}"
@@ -467,7 +465,7 @@ def bench_prefill(args, writer, flush, gen):
                          "median_us": med, "p90_us": sorted(t)[int(0.9 * len(t))], "tb_s": flops / med / 1e6,
                          "frac_copy": "", "rel_l2_vs_dequant": rel, "status": st})
             writer(rows[-1])
-        del kc, vc, ks, vs, runs
+        del kc, vc, ks, vs, runs, replays
         torch.cuda.empty_cache()
     # INT8 P.V against its float twin, same kernel, same run.
     for kernel in args.prefill_kernels:
@@ -513,6 +511,7 @@ def main(argv=None) -> int:
                     help="prefill rows: the 64-row prefill kernel and/or the general kernel (same run)")
     ap.add_argument("--rounds", type=int, default=3, help="prefill: alternate the kernels and modes this often")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--flush", choices=["read", "write"], default="read",
@@ -528,10 +527,10 @@ def main(argv=None) -> int:
     if args.warmup_peers:
         gen = torch.Generator(device="cuda")
         ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-        flush = _flush_buffer()
+        flush = flush_buffer(torch)
         for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             t0 = time.perf_counter()
-            flashinfer_decode(1, 1024, args.hq, args.hkv, args.head_dim, args.block, kv_dtype, 3, flush, gen, ws)
+            flashinfer_decode(1, 1024, args.hq, args.hkv, args.head_dim, args.block, kv_dtype, gen, ws)
             print(f"flashinfer {kv_dtype} ready in {time.perf_counter() - t0:.1f} s", flush=True)
         return 0
     why = _cuda.cuda_unavailable_reason()
@@ -540,7 +539,8 @@ def main(argv=None) -> int:
         return 2
     gen = torch.Generator(device="cuda")
     gen.manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
-    flush = _flush_buffer()
+    flush = flush_buffer(torch)
+    warm_up(torch)
     fields = ["mode", "impl", "batch", "context", "splits", "median_us", "p90_us", "tb_s", "frac_copy",
               "rel_l2_vs_dequant", "status"]
     with contextlib.ExitStack() as stack:

@@ -6,7 +6,8 @@ so M = T * k routed rows, sorted by expert (uniform random routing, k distinct e
 
 Peers, each captured in a CUDA graph and timed with events around the replay, L2 flushed (by
 reading 256 MB) before every timed replay (the weights of one layer fit in the 60 MB L2 at small T);
-the replays of one case are timed interleaved, each iteration once each in a rotating order:
+the replays of one case are timed interleaved, each iteration once each in a rotating order, each
+behind a GPU hold so that the events bracket GPU work only (benchmarks/gpu_timing.py):
   ours      ort_ops GroupedMatmulSwigluQuant CUDA kernel (int8 in, int8 codes + scales out), per
             --configs: auto, the tiled kernel's bm16 / bm16w / bm32 / bm64 / bm128, or stream (the
             decode pair of cuda_stream.cu, which auto picks up to 4 rows an expert)
@@ -15,8 +16,10 @@ the replays of one case are timed interleaved, each iteration once each in a rot
             kernel (cuda_wgmma.cuh), bm16/bm16w/bm32/bm64 the mma.sync kernel reading B with
             ldmatrix, stream the K-major decode stream (cuda_stream.cu), auto picks by rows per
             expert (what a graph packing layout 2 gets); a config a shape refuses is skipped
-  floor     the same launch (auto) with every group empty: the op's fixed cost (tiled: memset +
-            launch + tile map + tail fill; stream: its two kernels)
+  floor     the same launch (auto) with every group empty (tiled: memset + launch + tile map +
+            tail fill; stream: its two kernels). Timed this way it reads ~23-25 us on the H200
+            while a CUPTI timeline of the same graph shows ~9 us of memset and kernel: not a
+            measure of the fixed cost inside a real launch (NOTES_moe_cuda.md, session 7)
   bf16      torch._grouped_mm bf16 GEMM + torch SwiGLU (fp32) + torch per-row INT8 quantization
   fp8 gemm  torch._scaled_grouped_mm fp8 e4m3 GEMM only (row-wise scales, bf16 out)
 Reported: median and p90 us, ratio bf16/ours, TOP/s (2 M K N / t) against the measured INT8
@@ -34,12 +37,13 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_timing import capture, flush_buffer, median_p90, time_interleaved, warm_up
 
 INT8_PEAK_TOPS = 920.0   # torch._int_mm 8192^3, B column-major, measured on the H200 (GPU.md)
 COPY_TBPS = 4.28         # device-to-device copy, read + write (GPU.md)
@@ -49,59 +53,6 @@ def routing(rng, t, e, k):
     """Per-expert row counts of T tokens each routed to k distinct experts (uniform)."""
     ids = np.argsort(rng.random((t, e)), axis=1)[:, :k]
     return np.bincount(ids.ravel(), minlength=e).astype(np.int64)
-
-
-FLUSH_MODE = "read"
-
-
-def capture(torch, fn):
-    """fn() warmed up and captured in a CUDA graph: returns its replay (fn itself where stream
-    capture refuses the launch)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g):
-            fn()
-        replay = g.replay
-    except RuntimeError as ex:  # a launch that stream capture refuses: time it eagerly
-        print(f"  (graph capture failed, timing eagerly: {str(ex)[:120]})")
-        torch.cuda.synchronize()
-        replay = fn
-    for _ in range(3):
-        replay()
-    torch.cuda.synchronize()
-    return replay
-
-
-def time_interleaved(torch, replays, iters, flush):
-    """Median and p90 (us) of each replay, L2 flushed before every timed one. Each iteration times
-    every entry once, in an order that rotates, so that no entry always runs first after the
-    host-side work between cases (the first-timed entry used to come out 1-2 us slow)."""
-    names = list(replays)
-    times = {n: [] for n in names}
-    for i in range(iters):
-        for j in range(len(names)):
-            n = names[(i + j) % len(names)]
-            # Evict L2 by reading 256 MB (a write-based flush leaves ~60 MB of dirty lines whose
-            # write-back then competes with the timed kernel's reads).
-            if FLUSH_MODE == "read":
-                flush.max()
-            else:
-                flush.zero_()
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            replays[n]()
-            b.record()
-            b.synchronize()
-            times[n].append(a.elapsed_time(b) * 1e3)
-    return {n: (float(np.median(v)), float(np.percentile(v, 90))) for n, v in times.items()}
 
 
 def check(torch, runner, x, w, ws, xs, counts):
@@ -121,16 +72,6 @@ def check(torch, runner, x, w, ws, xs, counts):
         rows = int(gl[1])
         ry, rys = reference.grouped_matmul_swiglu_quant(x[:rows], w[:2], ws[:2], xs[:rows], gl[:2])[:2]
     return err, float(np.mean(y[:rows] == ry)), bool(np.array_equal(ys[:rows], rys))
-
-
-def warm_up(torch, seconds=1.0):
-    """Busy the GPU for a while so its clocks have left idle before the first timed case (the
-    first case measured from idle ran 1-2 us slower than the same launch later in the run)."""
-    a = torch.ones((4096, 4096), dtype=torch.bfloat16, device="cuda")
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        torch.cuda.synchronize()
 
 
 def main(argv=None):
@@ -153,8 +94,6 @@ def main(argv=None):
                     help="evict L2 by reading (default) or by writing 256 MB before each replay")
     ap.add_argument("--csv", default=None)
     args = ap.parse_args(argv)
-    global FLUSH_MODE
-    FLUSH_MODE = args.flush
 
     import torch
     import torch.nn.functional as F
@@ -167,7 +106,7 @@ def main(argv=None):
         return 2
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
-    flush = torch.ones(64 * 2**20, dtype=torch.float32, device=dev)
+    flush = flush_buffer(torch)
     warm_up(torch)
     k_dim, inter = args.hidden, args.inter
     n_dim = 2 * inter
@@ -257,7 +196,8 @@ def main(argv=None):
                 else:
                     print(f"{label}: fp8 peer unavailable: {fp8_reason}")
 
-            results = time_interleaved(torch, replays, args.iters, flush)
+            results = {n: median_p90(ts) for n, ts in
+                       time_interleaved(torch, replays, args.iters, flush, args.flush).items()}
             base = results.get("bf16 grouped_mm+swiglu+quant", (float("nan"),))[0]
             for name, (med, p90) in results.items():
                 row = {"case": label, "E": e, "topk": topk, "tokens": t, "M": m, "active_experts": active,
