@@ -29,6 +29,8 @@ INIT_ERR_BAD_EXPERT = 1  # MoeInitRouting's
 FINALIZE_ERR_NOT_PERMUTATION = 1  # MoeFinalizeRouting's
 # Tile configurations of the GroupedMatmulSwigluQuant kernel (GmsqConfig in cuda.cuh).
 GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2, "bm16w": 3, "bm32": 4, "stream": 5}
+STREAM_MAX_SUMS = 1 << 24    # the stream config's limits (cuda_stream.cu kMaxSums, kMaxHalf)
+STREAM_MAX_HALF = 24576
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -128,8 +130,12 @@ class GmsqRunner:
                          self.layout, ctypes.c_void_p(s.cuda_stream))
         if rc != 0:
             op = "GroupedMatmulDequant" if self.dequant else "GroupedMatmulSwigluQuant"
+            why = ""
+            if rc == 1 and self.config == GMSQ_CONFIGS["stream"] and (m * n > STREAM_MAX_SUMS or n // 2 > STREAM_MAX_HALF):
+                why = (f": the stream config holds M * N int32 sums (at most 2^24, here {m} x {n})"
+                       f" and N/2 <= {STREAM_MAX_HALF}; auto never picks it there")
             raise RuntimeError(f"{op} (CUDA): launch failed with cudaError_t {rc}"
-                               f" ({torch.cuda.get_device_name()})")
+                               f" ({torch.cuda.get_device_name()}){why}")
 
     def error_word(self) -> int:
         """The kernel's device error word (synchronizes)."""
