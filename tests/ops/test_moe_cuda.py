@@ -325,21 +325,17 @@ def test_gmsq_cuda_decode_shapes(torch_cuda, rng, experts, topk, config):
 
 
 @cuda
-@pytest.mark.parametrize("experts,topk,tokens,stream", [(8, 2, 16, False), (64, 8, 16, True),
+@pytest.mark.parametrize("experts,topk,tokens,stream", [(8, 2, 16, True), (64, 8, 16, True),
                                                         (64, 8, 32, True), (8, 2, 64, False),
-                                                        (64, 8, 64, False)])
+                                                        (64, 8, 64, False), (1, 1, 4, True)])
 def test_gmsq_cuda_auto_picks_the_stream_kernel_at_decode(torch_cuda, rng, experts, topk, tokens,
                                                          stream):
-    """Auto dispatch on the contract's layout (N/2 = 1408: 11 column tiles, 24 bm16w slot groups
-    on 132 SMs): the stream kernel pair up to 4 rows an expert on average when more experts
-    than slot groups are touched (64 experts), the tiled kernel otherwise; named by the torch
-    profiler. (The expectations assume an H200's 132 SMs; other GPUs skip.)"""
+    """Auto dispatch on the contract's layout: the stream kernel pair up to 4 rows an expert on
+    average, the tiled kernel above; named by the torch profiler."""
     from benchmarks.bench_moe_cuda import routing
     from ort_ops._cuda_kernels import GmsqRunner
     from tests.ops.test_moe_kmajor_cuda import _kernel_names
 
-    if torch_cuda.cuda.get_device_properties(0).multi_processor_count != 132:
-        pytest.skip("the dispatch expectations are an H200's (132 SMs)")
     counts = routing(rng, tokens, experts, topk)
     m = int(counts.sum())
     x, w, ws, xs, gl = _problem(rng, m, 256, 2816, list(counts))
@@ -362,8 +358,8 @@ def test_gmsq_cuda_auto_picks_the_stream_kernel_at_decode(torch_cuda, rng, exper
 @pytest.mark.parametrize("k", [16, 2000])
 def test_gmsq_cuda_stream_at_the_expert_limit(torch_cuda, rng, config, k):
     """kGmsqMaxExperts (1024) experts, 200 of them with 2-4 rows: the stream kernel's tile map at
-    its largest (8 KB of shared memory: fewer CTAs an SM); on an H200 auto picks it too (>= 400
-    rows, 0.4-0.8 an expert, more touched experts than bm16w's 264 slot groups at N/2 = 32).
+    its largest (8 KB of shared memory: fewer CTAs an SM); auto picks it too (>= 400 rows,
+    0.4-0.8 an expert).
     K = 16 is one partial 64-deep step, K = 2000 ends in one. Both modes, bit for bit."""
     e = 1024
     counts = np.zeros(e, np.int64)

@@ -223,8 +223,7 @@ def _kernel_names(torch, fn):
                                                  (8, 2, 4096)])
 def test_gmsq_layout2_auto_dispatch(torch_cuda, rng, experts, topk, tokens):
     """Layout 2, auto config, the benchmark's shapes (hidden 2048, intermediate 1408): the K-major
-    weight stream pair up to 4 rows an expert on average when more experts are touched than
-    bm16w's slot groups (64 experts; H200 expectations), the mma.sync K-major kernel below 32,
+    weight stream pair up to 4 rows an expert on average, the mma.sync K-major kernel below 32,
     the ping-pong wgmma kernel from 32 on (N/2 = 1408 needs 22 of its 64-column tiles, fewer than
     the SMs); bit-exact either way (at 4096 tokens against the reference on the first two
     experts' rows: rows are independent)."""
@@ -249,9 +248,7 @@ def test_gmsq_layout2_auto_dispatch(torch_cuda, rng, experts, topk, tokens):
     if not names:
         pytest.skip("codes exact, but the profiler recorded no CUDA kernels (CUPTI unavailable)")
     gmsq = [s for s in names if "gmsq" in s]
-    if m <= 4 * experts and torch.cuda.get_device_properties(0).multi_processor_count != 132:
-        pytest.skip("codes exact; the stream-or-bm16w expectation is an H200's (132 SMs)")
-    if m <= 4 * experts and experts > 24:  # more experts than bm16w's 24 slot groups (132 SMs)
+    if m <= 4 * experts:
         assert len(gmsq) == 2 and "gmsq_stream_km_kernel" in gmsq[0] and "gmsq_stream_epilogue" in gmsq[1], names
     else:  # gmsq_kernel<...> or gmsq_wgmma_pp_kernel
         assert len(gmsq) == 1 and ("gmsq_wgmma_pp_kernel" in gmsq[0]) == (m // experts >= 32), names

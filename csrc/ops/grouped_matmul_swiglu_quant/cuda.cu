@@ -567,32 +567,17 @@ int auto_config(int64_t m, int64_t e) {
 }
 
 // Auto at decode (<= 4 rows an expert on average: one row block an expert, mostly): the stream
-// pair (cuda_stream.cuh; on weight_layout 2 its K-major stream) when bm16w's row blocks would not
-// fit one round of its slot groups (more experts touched than 2 x SMs / column tiles: 24 on an
-// H200 at N/2 = 1408, so 64 experts top-8), where the rounds leave SMs idle; bm16w otherwise (one
-// round, and its single kernel has the lower fixed cost). H200 (NOTES_moe_cuda.md, session 6),
-// each launch timed interleaved with the others (cold instruction caches, as between a model's
-// layers): 64e T=16 stream 90.4 vs bm16w 103.3 us, K-major 104.3 vs 149.3-150.0; 8e T=16 bm16w
-// 25.38 vs stream 25.78-25.84, K-major 27.7 vs 30.2 (timed back to back, the stream won at 8e:
-// 22.75 vs 25.10); 64e T=64 (8 rows an expert) 123 vs 112 (session 5), hence the 4.
+// pair (cuda_stream.cuh; on weight_layout 2 its K-major stream). H200 (NOTES_moe_cuda.md), each
+// launch timed interleaved with the others (cold instruction caches, as between a model's
+// layers), session 7, once the tile-map loops stopped being unrolled (~1000 instructions of cold
+// code less in each kernel): 8e T=16 stream 23.55 vs bm16w 25.41 us, K-major 26.69 vs 28.59;
+// 64e T=16 stream 89.0 vs bm16w 106.2, K-major 101.2 vs 149 (session 6). Before that change the
+// stream lost at 8 experts (25.8 vs 25.4) and auto kept bm16w there. 64e T=64 (8 rows an
+// expert): 123 vs 112 (session 5), hence the 4.
 constexpr int64_t kStreamMaxAvgRows = 4;
-template <int MODE>
 bool auto_stream(const GmsqParams& p) {
-  const bool km = p.weight_layout == kGmsqLayoutKMajor;
-  if (p.config != kGmsqAuto || (p.weight_layout != 0 && !km) || p.e <= 0 ||
-      p.m > kStreamMaxAvgRows * p.e || gmsq_stream_workspace_bytes(p.m, p.n) == 0)
-    return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  LaunchInfo li;  // bm16w's occupancy (its K-major instance for layout 2, a SwiGLU-only layout)
-  if constexpr (MODE == kSwiglu)
-    li = km ? launch_info<1, 4, 1, 6, 1, MODE, true>(device) : launch_info<1, 4, 1, 6, 1, MODE, false>(device);
-  else
-    li = launch_info<1, 4, 1, 6, 1, MODE, false>(device);
-  if (li.err != cudaSuccess) return false;
-  const int64_t col_tiles = std::max<int64_t>(1, (p.n / 2 + kOutPerWarp * 4 - 1) / (kOutPerWarp * 4));
-  const int64_t slots = static_cast<int64_t>(li.blocks_per_sm) * li.sms / col_tiles;
-  return std::min(p.e, p.m) > slots;
+  return p.config == kGmsqAuto && (p.weight_layout == 0 || p.weight_layout == kGmsqLayoutKMajor) &&
+         p.e > 0 && p.m <= kStreamMaxAvgRows * p.e && gmsq_stream_workspace_bytes(p.m, p.n) != 0;
 }
 
 template <int MODE>
@@ -609,7 +594,7 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
   s.amax = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + 16);
   s.counters = reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16 +
                                       align16(4 * static_cast<size_t>(p.m)));
-  if (p.m > 0 && p.n > 0 && p.e > 0 && p.k > 0 && (p.config == kGmsqStream || auto_stream<MODE>(p)))
+  if (p.m > 0 && p.n > 0 && p.e > 0 && p.k > 0 && (p.config == kGmsqStream || auto_stream(p)))
     return launch_gmsq_stream(p, MODE == kDequant, stream);  // no memset: see cuda_stream.cu
   cudaError_t err = cudaMemsetAsync(p.workspace, 0, tiled_workspace_bytes(p.m, p.e), stream);
   if (err != cudaSuccess || p.m == 0) return err;

@@ -352,9 +352,9 @@ struct KmStep {
 // Why it is slower than the [E, K, N] stream (H200, 64e T=16: 103 vs 91 us, ncu): its warps wait
 // on DRAM (long-scoreboard stalls 5.8 an issue, DRAM 78 % busy against 81 %): 64 KB a SM in
 // flight in registers against the cp.async ring's ~150 KB. Auto runs it where the [E, K, N]
-// stream runs (more experts touched than bm16w's slot groups): there it replaces the tiled
-// K-major kernel (64e T=16: 104 against 149 us), so a model packed "ENK" for prefill decodes
-// 13-17 % behind "EKN" (64 % before).
+// stream runs (up to 4 rows an expert): there it replaces the tiled K-major kernel (64e T=16:
+// 104 against 149 us; 8e 26.7 against 28.6), so a model packed "ENK" for prefill decodes
+// 13-17 % behind "EKN" at 64 experts (64 % before).
 __global__ void __launch_bounds__(kKmThreads, kKmMinCtas)
     gmsq_stream_km_kernel(const GmsqParams p, const StreamShape sh) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -582,6 +582,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
     const int rin = (r - ends_s[e]) % kRows;
     if (rb != prev_rb) {  // the owners of this row block's tiles, once a CTA and row block
       __syncthreads();
+#pragma unroll 1
       for (int ct = tid; ct < sh.col_tiles; ct += nt) {
         const int64_t tile = static_cast<int64_t>(rb) * sh.col_tiles + ct;
         const int64_t c0 = owner(tile * sh.kchunks, units, ctas);

@@ -78,8 +78,15 @@ __device__ __forceinline__ void build_tile_map(const int64_t* group_list, int gr
   const int per = (E + 31) / 32;
   const int e0 = min(E, lane * per);
   const int e1 = min(E, e0 + per);
+  // The loops below are not unrolled. Code size is time here: every kernel runs this map first,
+  // from instructions that are cold between a model's layers, and the unrolled loops were ~1000
+  // instructions of each kernel (H200, NOTES_moe_cuda.md, session 7: the 8-expert decode pair
+  // 26.1 -> 23.6 us with them rolled up; a variant loading four entries at a time, for fewer
+  // round trips at 64+ experts, gained 1.0 us against the same base in another run, and 64
+  // experts did not gain from it: dropped).
   bool bad = false;
   int64_t run = 0;  // lane-local running sum (counts) or max (ends)
+#pragma unroll 1
   for (int e = e0; e < e1; ++e) {
     int64_t v = group_list[e];
     if (v < 0) bad = true;
@@ -101,6 +108,7 @@ __device__ __forceinline__ void build_tile_map(const int64_t* group_list, int gr
     if (lane == 0) excl = 0;
   }
   int64_t acc = excl;
+#pragma unroll 1
   for (int e = e0; e < e1; ++e) {
     int64_t v = (group_list[e] < 0 ? int64_t{0} : group_list[e]);
     if (group_list_type == 1) {
@@ -119,6 +127,7 @@ __device__ __forceinline__ void build_tile_map(const int64_t* group_list, int gr
   for (int e = e0; e < e1; ++e) nb += (ends_s[e + 1] - ends_s[e] + bm - 1) / bm;
   const int64_t nb_incl = warp_scan_add(nb, lane);
   int64_t b = nb_incl - nb;
+#pragma unroll 1
   for (int e = e0; e < e1; ++e) {
     b += (ends_s[e + 1] - ends_s[e] + bm - 1) / bm;
     blk_s[e + 1] = static_cast<int>(b);
