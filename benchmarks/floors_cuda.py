@@ -37,6 +37,11 @@ import json
 import platform
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.gpu_timing import capture
 
 READ_CEILING_TBS = 4.35  # read-only streaming, measured on the H200 (../shared/GPU.md)
 INT8_PEAK_TOPS = 920.0  # torch._int_mm 8192^3, B column-major, measured on the H200 (GPU.md)
@@ -105,27 +110,6 @@ def time_calls(torch, fn, iters: int, flush) -> list[float]:
     return times
 
 
-def graphed(torch, fn, what: str):
-    """fn() captured in a CUDA graph (warmed up on a side stream first); returns the graph's
-    replay, or None, with the reason printed, when capture fails."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as e:  # noqa: BLE001  (report and go on without the graph row)
-        print(f"{what}: graph capture failed, no graph row: {type(e).__name__}: {e}", flush=True)
-        torch.cuda.synchronize()
-        return None
-    return graph.replay
-
-
 def on_torch_stream(torch, cp, kernel, grid: int, block: int, args: tuple):
     """A call that launches a cupy kernel on torch's current stream (the stream that the events
     are recorded on and that graph capture uses)."""
@@ -175,7 +159,7 @@ def device_info(torch, cp) -> dict:
 def bench_launch(torch, cp, module, args, flush, emit) -> None:
     fn = on_torch_stream(torch, cp, module.get_function("empty_kernel"), 1, 32, ())
     emit(make_row("launch", "eager", "", 1, "", time_calls(torch, fn, args.iters, flush), 0, "", 0))
-    replay = graphed(torch, fn, "launch")
+    replay = capture(torch, fn, WARMUP, False, "launch")
     if replay is not None:
         emit(make_row("launch", "graph", "", 1, "", time_calls(torch, replay, args.iters, flush), 0, "", 0))
 
@@ -202,7 +186,7 @@ def bench_read(torch, cp, np, module, args, flush, emit) -> None:
         print(f"read {nbytes:,} B: best grid {grid} unroll {unroll}, {best['median_us']:.1f} us, "
               f"{best['rate']:.3f} TB/s", flush=True)
         fn = on_torch_stream(torch, cp, kernels[unroll], grid, BLOCK, kargs)
-        replay = graphed(torch, fn, f"read {nbytes}")
+        replay = capture(torch, fn, WARMUP, False, f"read {nbytes}")
         if replay is not None:
             emit(make_row("read", "graph", nbytes, grid, unroll, time_calls(torch, replay, args.iters, flush),
                           nbytes, "TB/s", READ_CEILING_TBS))
@@ -227,7 +211,7 @@ def bench_int_mm(torch, args, flush, emit) -> None:
         ops = 2 * m * n * k
         emit(make_row("int_mm", "eager", shape, "", "", time_calls(torch, fn, args.iters, flush), ops,
                       "TOP/s", INT8_PEAK_TOPS))
-        replay = graphed(torch, fn, f"int_mm {shape}")
+        replay = capture(torch, fn, WARMUP, False, f"int_mm {shape}")
         if replay is not None:
             emit(make_row("int_mm", "graph", shape, "", "", time_calls(torch, replay, args.iters, flush), ops,
                           "TOP/s", INT8_PEAK_TOPS))

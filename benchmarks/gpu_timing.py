@@ -35,9 +35,10 @@ def evict_l2(flush, mode: str = "read") -> None:
         flush.zero_()
 
 
-def capture(torch, fn, warm: int = 3):
-    """fn() warmed up and captured in a CUDA graph: returns its replay (fn itself, timed eagerly,
-    where stream capture refuses the launch; the reason is printed)."""
+def capture(torch, fn, warm: int = 3, eager_fallback: bool = True, what: str = ""):
+    """fn() warmed up and captured in a CUDA graph: returns its replay. Where stream capture
+    refuses the launch, the reason is printed and fn itself is returned (timed eagerly), or None
+    when eager_fallback is False."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -50,9 +51,12 @@ def capture(torch, fn, warm: int = 3):
         with torch.cuda.graph(g):
             fn()
         replay = g.replay
-    except RuntimeError as ex:
-        print(f"  (graph capture failed, timing eagerly: {str(ex)[:120]})", flush=True)
+    except Exception as ex:  # noqa: BLE001 - torch, cupy and driver errors alike: report, go on
+        then = "timing eagerly" if eager_fallback else "no graph row"
+        print(f"  {what}{' ' if what else ''}(graph capture failed, {then}: {str(ex)[:120]})", flush=True)
         torch.cuda.synchronize()
+        if not eager_fallback:
+            return None
         replay = fn
     for _ in range(warm):
         replay()
