@@ -19,6 +19,7 @@
 
 #ifdef ORT_OPS_WITH_CUDA
 #include "cuda/cuda_info.h"
+#include "cuda/device_status.h"
 #include "ops/dynamic_quant/cuda_op.h"
 #include "ops/grouped_matmul_dequant/cuda_op.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda_op.h"
@@ -129,4 +130,16 @@ ORT_OPS_EXPORT const char* ort_ops_build_info() {
     return s;
   }();
   return info.c_str();
+}
+
+// Takes the errors that CUDA ops' kernels found in input values on the device since the last
+// call (cuda/device_status.h): writes the first message into buf, returns how many ops had one.
+// 0 in a build without CUDA.
+ORT_OPS_EXPORT int ort_ops_take_device_error(char* buf, size_t len) {
+#ifdef ORT_OPS_WITH_CUDA
+  return ort_ops::cuda_util::take_device_error(buf, len);
+#else
+  if (buf != nullptr && len > 0) buf[0] = '\0';
+  return 0;
+#endif
 }

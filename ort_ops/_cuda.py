@@ -128,7 +128,7 @@ def quantize_kv_cache(key, value, slot_mapping, key_cache, value_cache, key_scal
 
     t, hkv, d = key.shape
     n, _, b, _ = key_cache.shape
-    status = torch.zeros(1, dtype=torch.int32, device=key.device)
+    status = torch.zeros(8, dtype=torch.int32, device=key.device)  # the word, then the check's scratch
     rc = _lib().ort_ops_cuda_quantize_kv_cache(
         _ptr(key), _ptr(value), int(key.dtype == torch.float16), _ptr(slot_mapping), _ptr(key_cache),
         _ptr(value_cache), _ptr(key_scale), _ptr(value_scale), t, hkv, d, b, n * b, _ptr(status),
@@ -136,4 +136,4 @@ def quantize_kv_cache(key, value, slot_mapping, key_cache, value_cache, key_scal
     if rc != 0:
         raise RuntimeError(f"QuantizeKVCache: CUDA error {rc}")
     torch.cuda.synchronize()
-    return int(status.item())
+    return int(status[0].item())

@@ -67,6 +67,30 @@ def build_info() -> dict:
     return json.loads(fn().decode())
 
 
+def check_device_errors() -> None:
+    """Raises the error a CUDA op's kernels found in input values on the device, if any.
+
+    CUDA ops never make the host wait for the GPU: values only the device reads (block tables,
+    seq_lens, slots, group lists, expert ids, NaN/Inf) are checked by the kernels, which leave
+    the outputs of that Run unspecified (never reading or writing out of bounds) and flag the
+    node. The node's next Run fails with the error; calling this right after ``run()`` returns
+    (ORT has then synchronized the GPU) reports it at once instead, and clears it, so the next
+    good Run succeeds. A no-op for a library built without CUDA.
+
+    Raises:
+        ValueError: "<Op>: input '<name>' must ..." (plus how many other nodes also failed).
+    """
+    lib = _cdll(get_library_path())
+    fn = lib.ort_ops_take_device_error
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(2048)
+    count = fn(buf, len(buf))
+    if count:
+        more = f" (and {count - 1} other node(s) reported an error)" if count > 1 else ""
+        raise ValueError(buf.value.decode() + more)
+
+
 def selected_cpu_isa() -> str:
     """The CPU kernel variant sessions created now will use (ORT_OPS_CPU_ISA applied), or an
     "invalid ORT_OPS_CPU_ISA" note when the variable holds an unknown value."""

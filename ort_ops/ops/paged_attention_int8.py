@@ -89,8 +89,9 @@ def _query_rows(t: int, seq_lens: np.ndarray, cu_seqlens_q: np.ndarray | None) -
         cu = np.asarray(cu_seqlens_q).astype(np.int64)
         if cu.shape != (s + 1,):
             _fail(f"input 'cu_seqlens_q' must have shape [{s + 1}], got {list(cu.shape)}")
-        if cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) < 0):
-            _fail(f"input 'cu_seqlens_q' must rise from 0 to T = {t}, got {cu.tolist()}")
+        if cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) < 1):
+            _fail(f"input 'cu_seqlens_q' must rise from 0 to T = {t} with at least one query row per sequence, "
+                  f"got {cu.tolist()}")
     q_lens = np.diff(cu)
     short = np.nonzero(q_lens > seq_lens)[0]
     if short.size:

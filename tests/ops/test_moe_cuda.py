@@ -21,6 +21,7 @@ import pytest
 
 from ort_ops import fragments as fr
 from ort_ops import reference
+from tests.ops.device_errors import assert_reported_both_ways
 from tests.tolerances import INT8_EXACT_ATOL
 
 # ---- CPU model of the kernel's placement (mirrors csrc/ops/grouped_matmul_swiglu_quant/cuda.cu) ----
@@ -668,10 +669,11 @@ def test_dynamic_quant_cuda_ep_session(cuda_ep_session, rng):
     ry, rs = reference.dynamic_quant(x, sm)
     np.testing.assert_array_equal(y, ry)
     np.testing.assert_array_equal(sc, rs)
-    feeds["x"] = x.copy()
-    feeds["x"][5, 5] = np.inf
-    with pytest.raises(Exception, match=r"DynamicQuant: input 'x' \(times 'smooth_scale'\) has a non-finite"):
-        cuda_ep_session(feeds, schema=dq_mod.SCHEMA).run(None, feeds)
+    bad = dict(feeds, x=x.copy())
+    bad["x"][5, 5] = np.inf
+    y, sc = assert_reported_both_ways(sess, bad, feeds, r"DynamicQuant: input 'x' \(times 'smooth_scale'")
+    np.testing.assert_array_equal(y, ry)
+    np.testing.assert_array_equal(sc, rs)
 
 
 @cuda
@@ -688,10 +690,11 @@ def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
     assert _providers_of(sess, "MoeInitRouting") == {"CUDAExecutionProvider"}
     for a, b in zip(got, reference.moe_init_routing(x, ids, e)):
         np.testing.assert_array_equal(a, b)
-    feeds["expert_ids"] = ids.copy()
-    feeds["expert_ids"][3, 1] = e
-    with pytest.raises(Exception, match=r"MoeInitRouting: input 'expert_ids' must be in \[0, 8\), got 8 at token 3, slot 1"):
-        cuda_ep_session(feeds, schema=init_mod.SCHEMA, num_experts=e).run(None, feeds)
+    bad = dict(feeds, expert_ids=ids.copy())
+    bad["expert_ids"][3, 1] = e
+    got = assert_reported_both_ways(sess, bad, feeds, r"MoeInitRouting: input 'expert_ids' must be in \[0, 8\)")
+    for a, b in zip(got, reference.moe_init_routing(x, ids, e)):
+        np.testing.assert_array_equal(a, b)
 
     eo = rng.standard_normal((m * k, h)).astype(np.float32)
     s2f = rng.permutation(m * k).astype(np.int32)
@@ -702,9 +705,10 @@ def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
     (out,) = sess.run(None, feeds)
     assert _providers_of(sess, "MoeFinalizeRouting") == {"CUDAExecutionProvider"}
     np.testing.assert_array_equal(out, reference.moe_finalize_routing(eo, s2f, tw, res))
-    feeds["sorted_to_flat"] = np.zeros(m * k, np.int32)
-    with pytest.raises(Exception, match=r"MoeFinalizeRouting: input 'sorted_to_flat' must be a permutation"):
-        cuda_ep_session(feeds, schema=fin_mod.SCHEMA).run(None, feeds)
+    bad = dict(feeds, sorted_to_flat=np.zeros(m * k, np.int32))
+    (out,) = assert_reported_both_ways(sess, bad, feeds,
+                                       r"MoeFinalizeRouting: input 'sorted_to_flat' must be a permutation of \[0, 80\)")
+    np.testing.assert_array_equal(out, reference.moe_finalize_routing(eo, s2f, tw, res))
 
 
 @cuda
@@ -712,15 +716,13 @@ def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
 def test_gmsq_cuda_ep_session_errors(cuda_ep_session, rng, rows):
     x, w, ws, xs, _ = _problem(rng, rows, 64, 64, [rows])
     w2, ws2 = w[[0, 0]], ws[[0, 0]]
-    feeds = {"x": x, "weight": w2, "weight_scale": ws2, "x_scale": xs,
-             "group_list": np.asarray([30, 10], np.int64)}
-    sess = cuda_ep_session(feeds)
-    with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: input 'group_list' must be non-decreasing"):
-        sess.run(None, feeds)
-    feeds["group_list"] = np.asarray([10, rows], np.int64)
-    feeds["x_scale"] = xs.copy()
-    feeds["x_scale"][3] = np.inf
-    with pytest.raises(Exception, match=r"GroupedMatmulSwigluQuant: .*not finite"):
-        sess.run(None, feeds)
-    feeds["x_scale"] = xs
-    sess.run(None, feeds)  # the session still works after a failed Run
+    good = {"x": x, "weight": w2, "weight_scale": ws2, "x_scale": xs,
+            "group_list": np.asarray([10, rows], np.int64)}
+    sess = cuda_ep_session(good)
+    want = reference.grouped_matmul_swiglu_quant(**good)
+    bad = dict(good, group_list=np.asarray([30, 10], np.int64))
+    _assert_exact(assert_reported_both_ways(
+        sess, bad, good, rf"GroupedMatmulSwigluQuant: input 'group_list' must be non-decreasing .*<= {rows}"), want)
+    bad = dict(good, x_scale=xs.copy())
+    bad["x_scale"][3] = np.inf
+    _assert_exact(assert_reported_both_ways(sess, bad, good, r"GroupedMatmulSwigluQuant: .*not finite"), want)

@@ -87,10 +87,10 @@ def test_decode(monkeypatch, rng, isa, pv, qk):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("pv", ["s8", "u8", "none"])
 def test_prefill_with_history(monkeypatch, rng, isa, pv):
-    """cu_seqlens_q: a whole prompt (no history), a one-token step, a sequence without queries,
-    a 70-token chunk after 530 cached tokens (several query chunks and key tiles, causal)."""
+    """cu_seqlens_q: a whole prompt (no history), a one-token step, a 70-token chunk after 530
+    cached tokens (several query chunks and key tiles, causal)."""
     use_isa(monkeypatch, isa)
-    ins, vmax = _case(rng, [5, 100, 40, 600], q_lens=[5, 1, 0, 70], hq=4, hkv=1, d=64, b=32)
+    ins, vmax = _case(rng, [5, 100, 600], q_lens=[5, 1, 70], hq=4, hkv=1, d=64, b=32)
     _assert_matches(_run(ins, pv_quant=pv), ins, vmax, pv_quant=pv)
 
 
@@ -312,6 +312,8 @@ def test_decode_needs_one_query_per_sequence(rng):
     ([0, 3], r"input 'cu_seqlens_q' must have shape \[3\], got \[2\]"),
     ([0, 4, 2], r"input 'cu_seqlens_q' must rise from 0 to T = 2"),
     ([1, 1, 2], r"input 'cu_seqlens_q' must rise from 0 to T = 2"),
+    # A sequence without query rows: T == S must mean decode (DESIGN.md).
+    ([0, 0, 2], r"input 'cu_seqlens_q' must rise from 0 to T = 2 with at least one query row per sequence"),
 ])
 def test_bad_cu_seqlens(rng, cu, expected):
     ins = _small(rng)

@@ -19,6 +19,7 @@ import pytest
 from ort_ops import reference
 from ort_ops._cuda import cuda_unavailable_reason
 from ort_ops.ops.paged_attention_int8 import build_paged_cache
+from tests.ops.device_errors import assert_reported_both_ways
 from tests.tolerances import (
     INT8_EXACT_ATOL,
     PA_CUDA_FLIP_BUDGET,
@@ -70,23 +71,34 @@ def test_quantize_kv_cache_bit_exact(rng, dtype, d, b):
         assert bad.size == 0, f"{name}: {len(bad)} mismatches, first at {bad[:3].tolist()}"
 
 
-def test_quantize_kv_cache_flags_bad_slots_and_nan(rng):
-    t, hkv, d, b, n = 4, 2, 64, 16, 2
+@pytest.mark.parametrize("t", [4, 64, 65, 300])  # the in-kernel check (T <= 64) and the check kernel
+def test_quantize_kv_cache_flags_bad_slots_and_nan(rng, t):
+    """A slot past the cache or a live slot twice: flagged, and nothing of the launch is written
+    (the caches stay byte for byte as they were). A NaN vector: flagged, only it unwritten."""
+    hkv, d, b = 2, 64, 16
+    n = (t + b - 1) // b + 1
     key = rng.standard_normal((t, hkv, d)).astype(np.float32)
     value = rng.standard_normal((t, hkv, d)).astype(np.float32)
-    caches = [np.zeros((n, hkv, b, d), np.int8), np.zeros((n, hkv, d, b), np.int8),
-              np.zeros((n, hkv, b), np.float32), np.zeros((n, hkv, b), np.float32)]
+    caches = [rng.integers(-127, 128, (n, hkv, b, d), dtype=np.int8), rng.integers(-127, 128, (n, hkv, d, b), dtype=np.int8),
+              rng.uniform(0.5, 2, (n, hkv, b)).astype(np.float32), rng.uniform(0.5, 2, (n, hkv, b)).astype(np.float32)]
+    good = rng.permutation(n * b)[:t].astype(np.int64)
+    good[t // 2] = -1  # skipped: may repeat
+    good[t - 1] = -1
+    for why, slots in (("past the end", np.where(np.arange(t) == t - 2, n * b, good)),
+                       ("repeated", np.where(np.arange(t) == t - 2, good[0], good))):
+        dev = [_dev(x) for x in caches]
+        assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(slots), *dev) & 1, why
+        for before, after in zip(caches, dev):
+            assert np.array_equal(after.cpu().numpy().view(np.uint8), before.view(np.uint8)), why
     dev = [_dev(x) for x in caches]
-    slots = np.array([0, 1, n * b, 3], np.int64)  # n * b is one past the end
-    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(slots), *dev) & 1
-    # Slots 0, 1 and 3 were written; slot 2 (token 2's, out of range) and every other slot not.
-    written = np.zeros((n, hkv, b), bool)
-    written[0, :, [0, 1, 3]] = True
-    assert not dev[0].cpu().numpy()[~written].any() and not dev[2].cpu().numpy()[~written].any()
-    assert dev[2].cpu().numpy()[written].all()
+    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(good), *dev) == 0
+    for w, g in zip(reference.quantize_kv_cache(key, value, good, *caches), dev):
+        assert np.array_equal(g.cpu().numpy().view(np.uint8), w.view(np.uint8))
     value[2, 1, 5] = np.nan
     dev = [_dev(x) for x in caches]
-    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(np.arange(t, dtype=np.int64)), *dev) == 2
+    live = np.arange(t, dtype=np.int64)
+    assert _cuda.quantize_kv_cache(_dev(key), _dev(value), _dev(live), *dev) == 2
+    assert np.array_equal(dev[3].cpu().numpy()[0, 1, 2:3].view(np.uint8), caches[3][0, 1, 2:3].view(np.uint8))
 
 
 # ---------------------------------------------------------------- PagedAttentionInt8
@@ -340,7 +352,8 @@ def _providers_of(sess, op_type):
 
 def test_cuda_ep_quantize_then_attend(cuda_ep, rng):
     """QuantizeKVCache then PagedAttentionInt8 as ORT sessions on the CUDA EP (decode and prefill),
-    against the references; a bad block table fails the Run with the op's message."""
+    against the references; a bad block table or slot mapping is reported with the op's message
+    and a QuantizeKVCache Run with a bad slot mapping writes nothing."""
     from ort_ops.ops import paged_attention_int8 as pa_mod
     from ort_ops.ops import quantize_kv_cache as qkv_mod
 
@@ -379,18 +392,27 @@ def test_cuda_ep_quantize_then_attend(cuda_ep, rng):
 
     bad = dict(pf, block_tables=tables.copy())
     bad["block_tables"][0, 0] = n_blocks + 5
-    sess = cuda_ep(pa_mod.SCHEMA, bad)
-    with pytest.raises(Exception, match=r"PagedAttentionInt8: input 'block_tables' must hold block ids"):
-        sess.run(None, bad)
-    sess.run(None, pf)  # the session still works after a failed Run
+    sess = cuda_ep(pa_mod.SCHEMA, bad, pv_quant="u8")
+    (out,) = assert_reported_both_ways(
+        sess, bad, pf, rf"PagedAttentionInt8: input 'block_tables' must hold block ids in 0..{n_blocks - 1}")
+    _check_close(out, want, step, dict(cache, **caches), "u8", "float16", "ORT CUDA EP after a bad Run")
+
+    # QuantizeKVCache: a repeated live slot or one past the cache writes nothing of that Run.
+    qkv = cuda_ep(qkv_mod.SCHEMA, feeds)
+    for bad_slots in (np.concatenate([slots[:-1], slots[:1]]), np.where(np.arange(slots.size) == 3, n_blocks * b, slots)):
+        got = assert_reported_both_ways(qkv, dict(feeds, slot_mapping=bad_slots.astype(np.int64)), feeds,
+                                        r"QuantizeKVCache: input 'slot_mapping' must hold slots < ")
+        for g, w_ in zip(got, reference.quantize_kv_cache(key, value, slots, *empty.values())):
+            assert np.array_equal(g.view(np.uint8), w_.view(np.uint8))
 
 
 @pytest.mark.parametrize("pv_quant", ["s8", "none"])
 def test_decode_kernel_takes_cu_seqlens_when_one_query_each(rng, pv_quant):
     """decode_with_cu (what the CUDA op sets when T == S with cu_seqlens_q, every decode step of a
     rewritten model): one row per sequence runs the decode kernel on cu_seqlens_q and matches the
-    reference; a T == S step that is not one row each (a sequence of 2 and one of 0) is reported
-    with the retry bit and computes nothing; a bad cu_seqlens_q is still flagged as such."""
+    reference; a T == S step that is not one row each (a sequence of 2 and one of 0, which the
+    contract refuses) is flagged with its own bit and computes nothing; a bad cu_seqlens_q is
+    still flagged as such."""
     lens, hq, hkv, d, b = [300, 1025, 64], 8, 2, 128, 64
     query, cache, _ = _make_case(rng, lens, [1, 1, 1], hq, hkv, d, b, "float16", decode=True)
     cu = np.arange(4, dtype=np.int32)
@@ -408,21 +430,25 @@ def test_decode_kernel_takes_cu_seqlens_when_one_query_each(rng, pv_quant):
 
 
 def test_cuda_ep_decode_steps_with_cu_seqlens(cuda_ep, rng):
-    """A rewritten model passes cu_seqlens_q on every step: on the CUDA EP a one-row-each step
-    (decode kernel) and a T == S step that is not (decode kernel, then the general one) both
-    equal the reference."""
+    """A rewritten model passes cu_seqlens_q on every step: on the CUDA EP a one-row-each step runs
+    the decode kernel and equals the reference; a T == S step that is not one row each (a sequence
+    without query rows, which the contract refuses) is reported as a bad cu_seqlens_q, and the
+    session then answers the good step again."""
     from ort_ops.ops import paged_attention_int8 as pa_mod
 
     lens, hq, hkv, d, b = [300, 77, 1030], 8, 2, 128, 64
-    for q_lens in ([1, 1, 1], [2, 0, 1]):
-        query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, "float16", decode=False)
-        feeds = {"query": query, **{k: cache[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale",
-                                                          "block_tables", "seq_lens")}, "cu_seqlens_q": cu}
-        sess = cuda_ep(pa_mod.SCHEMA, feeds, pv_quant="s8")
-        out = sess.run(None, feeds)[0]
-        assert _providers_of(sess, "PagedAttentionInt8") == {"CUDAExecutionProvider"}
-        want, step = _ref(query, cache, cu, pv_quant="s8")
-        _check_close(out, want, step, cache, "s8", "float16", f"ORT CUDA EP cu q_lens={q_lens}")
+    query, cache, cu = _make_case(rng, lens, [1, 1, 1], hq, hkv, d, b, "float16", decode=False)
+    feeds = {"query": query, **{k: cache[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                                      "block_tables", "seq_lens")}, "cu_seqlens_q": cu}
+    sess = cuda_ep(pa_mod.SCHEMA, feeds, pv_quant="s8")
+    out = sess.run(None, feeds)[0]
+    assert _providers_of(sess, "PagedAttentionInt8") == {"CUDAExecutionProvider"}
+    want, step = _ref(query, cache, cu, pv_quant="s8")
+    _check_close(out, want, step, cache, "s8", "float16", "ORT CUDA EP cu q_lens=[1, 1, 1]")
+    uneven = dict(feeds, cu_seqlens_q=np.array([0, 2, 2, 3], np.int32))
+    (out,) = assert_reported_both_ways(
+        sess, uneven, feeds, r"PagedAttentionInt8: input 'cu_seqlens_q' must rise from 0 to T = 3 with at least one")
+    _check_close(out, want, step, cache, "s8", "float16", "ORT CUDA EP after a bad Run")
 
 
 # ---------------------------------------------------------------- prefill kernel (cuda_prefill.cu)

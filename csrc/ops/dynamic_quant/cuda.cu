@@ -66,8 +66,7 @@ cudaError_t launch_dynamic_quant(const void* x, bool x_is_half, const float* smo
                                  float* scale, int* err, int64_t rows, int64_t k,
                                  cudaStream_t stream) {
   if (rows < 0 || k < 0) return cudaErrorInvalidValue;
-  cudaError_t e = cudaMemsetAsync(err, 0, sizeof(int), stream);
-  if (e != cudaSuccess || rows == 0) return e;
+  if (rows == 0) return cudaSuccess;
   const int blocks = static_cast<int>(std::min<int64_t>(rows, 65535));
   if (x_is_half)
     dynamic_quant_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const __half*>(x), smooth, y,
@@ -84,6 +83,8 @@ ORT_OPS_CUDA_EXPORT int ort_ops_dynamic_quant_cuda(const void* x, int x_is_half,
                                                    const float* smooth, int8_t* y, float* scale,
                                                    int* err, int64_t rows, int64_t k,
                                                    void* stream) {
+  const cudaError_t e = cudaMemsetAsync(err, 0, sizeof(int), static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return static_cast<int>(e);
   return static_cast<int>(ort_ops::dynamic_quant_cuda::launch_dynamic_quant(
       x, x_is_half != 0, smooth, y, scale, err, rows, k, static_cast<cudaStream_t>(stream)));
 }

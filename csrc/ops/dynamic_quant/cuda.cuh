@@ -3,8 +3,9 @@
 // contract's rule (DESIGN.md; spec ort_ops/ops/dynamic_quant.py), launcher on raw pointers.
 //   x      float32 or float16 [rows, K] (x_is_half selects), smooth float32 [K] or nullptr
 //   y      int8 [rows, K], scale float32 [rows]
-//   err    one device int (zeroed by the launcher): bit 1 set when a value (or product) is not
-//          finite; the outputs of such a row are then meaningless and the caller fails the Run.
+//   err    one int the device can write (the op's mapped status word, cuda/device_status.h):
+//          bit 1 ORed in when a value (or product) is not finite; the outputs of such a row are
+//          then meaningless. Never cleared here (the C entry below zeroes it first).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: MIT
 // DynamicQuant on ORT's CUDA EP (kernel: cuda.cu): x [..., K] float32/float16, smooth_scale [K]
 // optional -> y int8 [..., K], scale float32 [...]. Same validation and messages as the CPU
-// op; a non-finite value is found by the kernel and fails the Run after one stream sync.
+// op; a non-finite value is found by the kernel and reported through the node's status word
+// (cuda/device_status.h: at its next Compute, or by ort_ops_take_device_error() after the Run),
+// so the host never waits for the GPU.
 #include "ops/dynamic_quant/cuda_op.h"
 
 #include <memory>
-#include <vector>
+#include <string>
 
 #include "common/tensor.h"
+#include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/dynamic_quant/cuda.cuh"
 #include "ops/dynamic_quant/validate.h"
@@ -22,9 +25,14 @@ using cuda_util::check_cuda;
 
 class DynamicQuantCuda final : public KernelImpl {
  public:
-  explicit DynamicQuantCuda(const OrtKernelInfo*) {}
+  explicit DynamicQuantCuda(const OrtKernelInfo*)
+      : status_([](int) {
+          return std::string(kOp) + ": input 'x' (times 'smooth_scale' where given) has a non-finite value "
+                                    "(NaN or Inf); no INT8 code represents it";
+        }) {}
 
   void compute(Ort::KernelContext& ctx) override {
+    status_.raise_pending();
     const dynamic_quant::Inputs in = dynamic_quant::read_inputs(ctx);
     const InputView &x = in.x, &smooth = in.smooth_scale;
     const dynamic_quant::Dims d = dynamic_quant::validate_inputs(in);
@@ -36,7 +44,7 @@ class DynamicQuantCuda final : public KernelImpl {
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const bool half_smooth = smooth.present && smooth.dtype == F16;
     cuda_util::OrtCudaScratch scratch(kOp, ctx, 16 + (half_smooth ? 4 * static_cast<size_t>(k) : 0));
-    int* err = reinterpret_cast<int*>(scratch.get());
+    int* err = status_.word(kOp);
     const float* sm = smooth.present ? smooth.ptr<float>() : nullptr;
     if (half_smooth) {
       float* dst = reinterpret_cast<float*>(scratch.get() + 16);
@@ -48,14 +56,10 @@ class DynamicQuantCuda final : public KernelImpl {
                dynamic_quant_cuda::launch_dynamic_quant(x.data, x.dtype == F16, sm, y, scale, err,
                                                         rows, k, stream),
                "kernel launch");
-    int host_err = 0;
-    check_cuda(kOp, cudaMemcpyAsync(&host_err, err, sizeof(int), cudaMemcpyDeviceToHost, stream),
-               "error word copy");
-    check_cuda(kOp, cudaStreamSynchronize(stream), "stream synchronize");
-    if (host_err & dynamic_quant_cuda::kErrNonFinite)
-      fail_invalid(kOp, "input 'x'", sm ? " (times 'smooth_scale')" : "",
-                   " has a non-finite value (NaN or Inf); no INT8 code represents it");
   }
+
+ private:
+  cuda_util::DeviceStatus status_;
 };
 
 }  // namespace

@@ -59,4 +59,11 @@ const OpSignature& dequant_signature() {
   return sig;
 }
 
+int64_t read_group_list_type(const char* op, const OrtKernelInfo* info) {
+  const int64_t t = attr_int(info, "group_list_type", 0);
+  if (t != 0 && t != 1)
+    fail_invalid(op, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ", t);
+  return t;
+}
+
 }  // namespace ort_ops::grouped_matmul

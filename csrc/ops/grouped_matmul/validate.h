@@ -34,6 +34,10 @@ struct DeviceChecks {
 
 Inputs read_inputs(const Ort::KernelContext& ctx);
 
+// The attribute 'group_list_type': 0 (cumulative ends, the default) or 1 (counts), else an error
+// naming `op`.
+int64_t read_group_list_type(const char* op, const OrtKernelInfo* info);
+
 // Checks inputs 0..4's presence, dtype, rank and shape; even_n: N must be even (SwiGLU pairs).
 // Messages name `op`. Returns the dims.
 Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const DeviceChecks& device);

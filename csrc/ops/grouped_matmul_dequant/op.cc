@@ -27,12 +27,9 @@ class GroupedMatmulDequantCpu final : public KernelImpl {
  public:
   explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info)
       : isa_(selected_isa(kOp)),
-        group_list_type_(attr_int(info, "group_list_type", 0)),
+        group_list_type_(grouped_matmul::read_group_list_type(kOp, info)),
         layout_(gmsq_layout::read_weight_layout(kOp, info)),
         kernels_(grouped_matmul::kernels_for(isa_)) {
-    if (group_list_type_ != 0 && group_list_type_ != 1)
-      fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
-                   group_list_type_);
     grouped_matmul::advise_weight_pages(info, 1);
   }
 

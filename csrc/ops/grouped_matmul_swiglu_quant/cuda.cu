@@ -590,7 +590,7 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
        (MODE != kSwiglu || p.weight_layout != kGmsqLayoutKMajor || p.config == kGmsqBm128)))
     return cudaErrorInvalidValue;
   Scratch s;
-  s.err = static_cast<int*>(p.workspace);
+  s.err = p.err != nullptr ? p.err : static_cast<int*>(p.workspace);
   s.amax = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + 16);
   s.counters = reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16 +
                                       align16(4 * static_cast<size_t>(p.m)));

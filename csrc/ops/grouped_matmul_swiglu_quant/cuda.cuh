@@ -26,7 +26,7 @@ namespace ort_ops::gmsq_cuda {
 
 constexpr int kGmsqMaxExperts = 1024;
 
-// Bits of the device error word (workspace): the kernel never reads or writes out of bounds;
+// Bits of the error word (GmsqParams::err): the kernel never reads or writes out of bounds;
 // it clamps, finishes and reports, and the caller turns a non-zero word into an error.
 constexpr int kErrGroupList = 1;  // group_list decreasing, negative or ending past M
 constexpr int kErrNonFinite = 2;  // a dequantized C or S was NaN or Inf (no INT8 code)
@@ -66,6 +66,10 @@ struct GmsqParams {
   // K-major weight stream (cuda_stream.cuh); auto picks the stream up to 4 rows an expert on
   // average, bm16w below 32, wgmma from 32 on (off Hopper: the layout-0 rule with bm64 for bm128).
   int weight_layout = 0;
+  // Where the kernels OR their error bits: the op's mapped status word (cuda/device_status.h),
+  // never cleared by a launch. nullptr: the workspace's first int, zeroed by each launch (the C
+  // entries below, for tests that read it back with gmsq_error_word).
+  int* err = nullptr;
 };
 constexpr int kGmsqPackedCols = 128;
 constexpr int kGmsqLayoutKMajor = 2;  // GmsqParams::weight_layout [E, N, K]
@@ -76,7 +80,7 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t n, int64_t e);
 
 // Enqueues the whole op on `stream` (tiled: one memset, one cooperative kernel; stream: two
 // kernels). Returns the launch
-// status; the device error word is at gmsq_error_word(workspace) once the stream reaches it.
+// status; the error bits are in p.err (or gmsq_error_word(workspace)) once the stream reaches them.
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
 // GroupedMatmulDequant (the down projection) on the same tiles: y_float [M, N] float32 =
 // (float32(acc) * x_scale) * w_scale, zeros past the last group end; y, y_scale, y_offset are

@@ -7,37 +7,20 @@
 
 #include <memory>
 
-#include "ops/grouped_matmul_swiglu_quant/cuda_op_common.h"
 #include "ops/grouped_matmul/validate.h"
+#include "ops/grouped_matmul_swiglu_quant/cuda_op_common.h"
 
 namespace ort_ops {
 namespace {
 
-constexpr const char* kOp = "GroupedMatmulSwigluQuant";
-
-class GroupedMatmulSwigluQuantCuda final : public KernelImpl {
- public:
-  explicit GroupedMatmulSwigluQuantCuda(const OrtKernelInfo* info)
-      : group_list_type_(attr_int(info, "group_list_type", 0)),
-        layout_(gmsq_layout::read_weight_layout(kOp, info)) {
-    if (group_list_type_ != 0 && group_list_type_ != 1)
-      fail_invalid(kOp, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
-                   group_list_type_);
-  }
-
-  void compute(Ort::KernelContext& ctx) override {
-    gmsq_cuda::run_grouped_op(kOp, ctx, group_list_type_, /*swiglu=*/true, layout_);
-  }
-
- private:
-  int64_t group_list_type_;
-  gmsq_layout::WeightLayout layout_;
-};
+std::unique_ptr<KernelImpl> make(const OrtKernelInfo* info) {
+  return std::make_unique<gmsq_cuda::GroupedOpCuda>(info, "GroupedMatmulSwigluQuant", /*swiglu=*/true);
+}
 
 }  // namespace
 
 const CustomOp& grouped_matmul_swiglu_quant_cuda_op() {
-  static const CustomOp op(grouped_matmul::swiglu_quant_signature(), kCudaEp, make_kernel<GroupedMatmulSwigluQuantCuda>);
+  static const CustomOp op(grouped_matmul::swiglu_quant_signature(), kCudaEp, make);
   return op;
 }
 

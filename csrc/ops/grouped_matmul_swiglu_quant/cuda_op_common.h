@@ -4,19 +4,20 @@
 // scales converted on the device, scratch from ORT's CUDA allocator, and the device error word
 // read back after the kernel.
 //
-// group_list lives on the device (MoeInitRouting writes it there), so its values are checked
-// by the kernel itself: it never reads out of bounds on a bad list, and reports it (or a
-// non-finite C / S) in a device error word. To fail the Run as the contract requires, the op
-// copies that word back and synchronizes the stream once per Run (a few microseconds; see
-// the closing note of issue 7 for the trade-off).
+// group_list lives on the device (MoeInitRouting writes it there) and the host never reads it:
+// the kernel checks its values itself (it never reads out of bounds on a bad list) and reports it,
+// or a non-finite C / S, through the node's status word (cuda/device_status.h): at the node's
+// next Compute, or by ort_ops_take_device_error() after the Run. The host never waits for the GPU.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "common/tensor.h"
+#include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/grouped_matmul/validate.h"
 #include "ops/grouped_matmul_swiglu_quant/cuda.cuh"
@@ -33,11 +34,11 @@ using cuda_util::OrtCudaScratch;
 // layout: GroupedMatmulSwigluQuant's weight_layout; "ENK" is GmsqParams::weight_layout 2 (the
 // Hopper wgmma kernel for many rows an expert on sm_90, else the mma.sync kernel's K-major path).
 inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
-                           bool swiglu,
-                           gmsq_layout::WeightLayout layout = gmsq_layout::WeightLayout::kEKN) {
+                           bool swiglu, gmsq_layout::WeightLayout layout, int* status_word) {
   constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   if (layout == gmsq_layout::WeightLayout::kEN16K4)
-    fail_unsupported(op, "weight_layout 'EN16K4' is a CPU layout; use 'EKN' or 'ENK' on CUDA");
+    fail_unsupported(op, "weight_layout 'EN16K4' is a CPU layout; use ", swiglu ? "'EKN' or 'ENK'" : "'EKN'",
+                     " on CUDA");
   grouped_matmul::Inputs in = grouped_matmul::read_inputs(ctx);
   gmsq_layout::to_logical_weight(op, in, layout, swiglu);
   const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
@@ -96,27 +97,48 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   p.group_list_type = static_cast<int>(group_list_type);
   p.config = kGmsqAuto;
   p.weight_layout = enk ? kGmsqLayoutKMajor : 0;
+  p.err = status_word;
   const cudaError_t launched = swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream);
   check_cuda(op, launched, "kernel launch");
-
-  int err = 0;
-  check_cuda(op, cudaMemcpyAsync(&err, gmsq_error_word(scratch.get()), sizeof(int),
-                                 cudaMemcpyDeviceToHost, stream),
-             "error word copy");
-  check_cuda(op, cudaStreamSynchronize(stream), "stream synchronize");
-  if (err & kErrGroupList) {
-    std::vector<int64_t> g(static_cast<size_t>(e));
-    check_cuda(op, cudaMemcpy(g.data(), gl.data, 8 * static_cast<size_t>(e), cudaMemcpyDeviceToHost),
-               "group_list copy");
-    if (group_list_type == 1)
-      fail_invalid(op, "input 'group_list' must hold counts >= 0 summing to <= ", m,
-                   " (rows of 'x'), got ", shape_str(g));
-    fail_invalid(op, "input 'group_list' must be non-decreasing and >= 0 and end at <= ", m,
-                 " (rows of 'x'), got ", shape_str(g));
-  }
-  if (err & kErrNonFinite)
-    fail_invalid(op, "a row's dequantized product or SwiGLU output is not finite; check "
-                     "inputs 'x_scale' and 'weight_scale'");
 }
+
+// The message for the bits a launch set, with the row count of the latest Run.
+inline std::string describe_error(const char* op, int bits, int64_t group_list_type, int64_t rows) {
+  if (bits & kErrGroupList)
+    return group_list_type == 1
+               ? str_cat(op, ": input 'group_list' must hold counts >= 0 summing to <= ", rows, " (rows of 'x')")
+               : str_cat(op, ": input 'group_list' must be non-decreasing and >= 0 and end at <= ", rows,
+                         " (rows of 'x')");
+  return str_cat(op, ": a row's dequantized product or SwiGLU output is not finite; check inputs 'x_scale' and "
+                     "'weight_scale'");
+}
+
+// One GroupedMatmulSwigluQuant (swiglu) or GroupedMatmulDequant node on the CUDA EP.
+class GroupedOpCuda final : public KernelImpl {
+ public:
+  GroupedOpCuda(const OrtKernelInfo* info, const char* op, bool swiglu)
+      : op_(op),
+        swiglu_(swiglu),
+        group_list_type_(grouped_matmul::read_group_list_type(op, info)),
+        layout_(gmsq_layout::read_weight_layout(op, info)),
+        status_([this](int bits) { return describe_error(op_, bits, group_list_type_, rows_.load()); }) {}
+
+  void compute(Ort::KernelContext& ctx) override {
+    status_.raise_pending();
+    if (!swiglu_ && layout_ == gmsq_layout::WeightLayout::kENK)
+      fail_unsupported(op_, "weight_layout 'ENK' is not supported on CUDA (the kernel reads K-major weights "
+                            "only in GroupedMatmulSwigluQuant); use 'EKN'");
+    rows_.store(ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape().at(0));
+    run_grouped_op(op_, ctx, group_list_type_, swiglu_, layout_, status_.word(op_));
+  }
+
+ private:
+  const char* op_;
+  bool swiglu_;
+  int64_t group_list_type_;
+  gmsq_layout::WeightLayout layout_;
+  std::atomic<int64_t> rows_{0};
+  cuda_util::DeviceStatus status_;
+};
 
 }  // namespace ort_ops::gmsq_cuda

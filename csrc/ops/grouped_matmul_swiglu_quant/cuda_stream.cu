@@ -130,6 +130,11 @@ __device__ __forceinline__ UnitPos unit_pos(int64_t u, const StreamShape& sh, co
   return up;
 }
 
+// The error word (GmsqParams::err, or the workspace's first int when the caller gave none).
+__device__ __forceinline__ int* error_word(const GmsqParams& p) {
+  return p.err != nullptr ? p.err : static_cast<int*>(p.workspace);
+}
+
 __device__ __forceinline__ int* stream_sums(const GmsqParams& p) {
   return reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16);
 }
@@ -138,8 +143,9 @@ __device__ __forceinline__ int* stream_slots(const GmsqParams& p) {
 }
 
 // Both stream kernels' start: let the epilogue launch (it waits itself), build the tile map in
-// shared memory (warp 0) and report it; every CTA sees the same map, CTA 0 writes the error word
-// (and so zeroes it for this launch). Returns the problem's units (row blocks x column tiles x k
+// shared memory (warp 0) and report it; every CTA sees the same map, CTA 0 reports a bad list
+// (into the caller's word, which it never clears; or writes the workspace word, so zeroing it for
+// this launch). Returns the problem's units (row blocks x column tiles x k
 // chunks).
 __device__ __forceinline__ int64_t stream_start(const GmsqParams& p, const StreamShape& sh, int* ends_s,
                                                 int* blk_s, int* bad_s) {
@@ -153,7 +159,12 @@ __device__ __forceinline__ int64_t stream_start(const GmsqParams& p, const Strea
     epi::build_tile_map(p.group_list, p.group_list_type, static_cast<int>(p.m), static_cast<int>(p.e),
                         kRows, tid, ends_s, blk_s, bad_s);
   __syncthreads();
-  if (blockIdx.x == 0 && tid == 0) *static_cast<int*>(p.workspace) = *bad_s ? kErrGroupList : 0;
+  if (blockIdx.x == 0 && tid == 0) {
+    if (p.err == nullptr)
+      *static_cast<int*>(p.workspace) = *bad_s ? kErrGroupList : 0;
+    else if (*bad_s)
+      atomicOr(p.err, kErrGroupList);
+  }
   return static_cast<int64_t>(blk_s[p.e]) * sh.col_tiles * sh.kchunks;
 }
 
@@ -634,7 +645,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
       s_out[2 * j + 1] = v1;
       m = fmaxf(m, fmaxf(fabsf(v0), fabsf(v1)));
     }
-    if (nonfinite) atomicOr(static_cast<int*>(p.workspace), kErrNonFinite);
+    if (nonfinite) atomicOr(error_word(p), kErrNonFinite);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) red_s[tid >> 5] = m;

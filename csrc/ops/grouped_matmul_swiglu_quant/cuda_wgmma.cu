@@ -720,7 +720,7 @@ cudaError_t launch_kernel(void (*kernel)(CUtensorMap, CUtensorMap, GmsqParams, W
       !encode_map(&map_w, p.weight, p.e * p.n, p.k, bn_box))
     return cudaErrorInvalidValue;
   WgScratch s;
-  s.err = static_cast<int*>(p.workspace);
+  s.err = p.err != nullptr ? p.err : static_cast<int*>(p.workspace);
   s.amax = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + 16);
   s.counters = reinterpret_cast<int*>(static_cast<char*>(p.workspace) + 16 +
                                       align16(4 * static_cast<size_t>(p.m)));

@@ -59,14 +59,13 @@ size_t moe_finalize_workspace_bytes(int64_t total) { return 16 + 4 * static_cast
 
 cudaError_t launch_moe_finalize(const void* expert_out, bool eo_half, const int32_t* sorted_to_flat,
                                 const void* topk_weights, bool tw_half, const void* residual,
-                                bool res_half, float* out, void* workspace, int64_t m, int64_t k,
-                                int64_t h, cudaStream_t stream) {
+                                bool res_half, float* out, void* workspace, int* err, int64_t m,
+                                int64_t k, int64_t h, cudaStream_t stream) {
   if (m < 0 || k < 0 || h < 0 || m * k > INT32_MAX) return cudaErrorInvalidValue;
-  int* err = static_cast<int*>(workspace);
   int32_t* inv = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) + 16);
   const int64_t total = m * k;
-  cudaError_t e = cudaMemsetAsync(err, 0, 16, stream);
-  if (e == cudaSuccess && total > 0) e = cudaMemsetAsync(inv, 0xff, 4 * total, stream);  // -1
+  cudaError_t e = cudaSuccess;
+  if (total > 0) e = cudaMemsetAsync(inv, 0xff, 4 * total, stream);  // -1
   if (e != cudaSuccess) return e;
   if (total > 0) {
     invert_kernel<<<blocks_for(total), 256, 0, stream>>>(sorted_to_flat, inv, err, total);
@@ -93,7 +92,11 @@ ORT_OPS_CUDA_EXPORT int ort_ops_moe_finalize_cuda(const void* expert_out, int eo
                                                   const void* residual, int res_half, float* out,
                                                   void* workspace, int64_t m, int64_t k, int64_t h,
                                                   void* stream) {
+  // The error word is the workspace's first int here (zeroed first), read back by the caller.
+  int* err = static_cast<int*>(workspace);
+  const cudaError_t z = cudaMemsetAsync(err, 0, sizeof(int), static_cast<cudaStream_t>(stream));
+  if (z != cudaSuccess) return static_cast<int>(z);
   return static_cast<int>(ort_ops::moe_finalize_cuda::launch_moe_finalize(
       expert_out, eo_half != 0, sorted_to_flat, topk_weights, tw_half != 0, residual,
-      res_half != 0, out, workspace, m, k, h, static_cast<cudaStream_t>(stream)));
+      res_half != 0, out, workspace, err, m, k, h, static_cast<cudaStream_t>(stream)));
 }

@@ -87,22 +87,20 @@ size_t moe_init_workspace_bytes(int64_t total, int64_t e) {
 
 cudaError_t launch_moe_init(const void* x, int elem_bytes, const int32_t* expert_ids,
                             void* sorted_x, int32_t* sorted_to_flat, int64_t* group_list,
-                            void* workspace, int64_t m, int64_t k, int64_t h, int64_t e,
+                            void* workspace, int* err, int64_t m, int64_t k, int64_t h, int64_t e,
                             cudaStream_t stream) {
   if (m < 0 || k < 0 || h < 0 || e < 1 || e > (int64_t{1} << 31) || m * k > INT32_MAX ||
       (elem_bytes != 2 && elem_bytes != 4))
     return cudaErrorInvalidValue;
   const int64_t total = m * k;
   char* ws = static_cast<char*>(workspace);
-  int* err = reinterpret_cast<int*>(ws);
   const size_t arr = align256(4 * static_cast<size_t>(total));
   uint32_t* keys_in = reinterpret_cast<uint32_t*>(ws + 256);
   uint32_t* keys_out = reinterpret_cast<uint32_t*>(ws + 256 + arr);
   int32_t* vals_in = reinterpret_cast<int32_t*>(ws + 256 + 2 * arr);
   void* temp = ws + 256 + 3 * arr;
   size_t temp_bytes = cub_temp_bytes(total, e);
-  cudaError_t err_c = cudaMemsetAsync(err, 0, 16, stream);
-  if (err_c != cudaSuccess) return err_c;
+  cudaError_t err_c = cudaSuccess;
   if (total > 0) {
     keys_kernel<<<blocks_for(total), 256, 0, stream>>>(expert_ids, keys_in, vals_in, err, total, e);
     if ((err_c = cudaGetLastError()) != cudaSuccess) return err_c;
@@ -139,7 +137,11 @@ ORT_OPS_CUDA_EXPORT int ort_ops_moe_init_cuda(const void* x, int elem_bytes,
                                               int32_t* sorted_to_flat, int64_t* group_list,
                                               void* workspace, int64_t m, int64_t k, int64_t h,
                                               int64_t e, void* stream) {
+  // The error word is the workspace's first int here (zeroed first), read back by the caller.
+  int* err = static_cast<int*>(workspace);
+  const cudaError_t z = cudaMemsetAsync(err, 0, sizeof(int), static_cast<cudaStream_t>(stream));
+  if (z != cudaSuccess) return static_cast<int>(z);
   return static_cast<int>(ort_ops::moe_init_cuda::launch_moe_init(
-      x, elem_bytes, expert_ids, sorted_x, sorted_to_flat, group_list, workspace, m, k, h, e,
+      x, elem_bytes, expert_ids, sorted_x, sorted_to_flat, group_list, workspace, err, m, k, h, e,
       static_cast<cudaStream_t>(stream)));
 }

@@ -5,7 +5,9 @@
 //   workspace: moe_init_workspace_bytes(M*K, E) bytes.
 // Stable sort of the flat (token, slot) pairs by expert: a radix sort (stable by construction)
 // of the expert ids with the flat indices as values; group_list[e] = number of ids <= e.
-// Error word bit 1: an id outside [0, E) (clamped for the sort, so nothing runs out of bounds).
+// *err (an int the device can write: the op's mapped status word, cuda/device_status.h; never
+// cleared here) gets bit 1 ORed in for an id outside [0, E) (clamped for the sort, so nothing
+// runs out of bounds). The C entry below uses the workspace's first int instead, zeroed first.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,8 +22,8 @@ constexpr int kErrBadExpert = 1;
 size_t moe_init_workspace_bytes(int64_t total, int64_t num_experts);
 cudaError_t launch_moe_init(const void* x, int elem_bytes, const int32_t* expert_ids,
                             void* sorted_x, int32_t* sorted_to_flat, int64_t* group_list,
-                            void* workspace, int64_t m, int64_t k, int64_t h, int64_t num_experts,
-                            cudaStream_t stream);
+                            void* workspace, int* err, int64_t m, int64_t k, int64_t h,
+                            int64_t num_experts, cudaStream_t stream);
 
 }  // namespace ort_ops::moe_init_cuda
 

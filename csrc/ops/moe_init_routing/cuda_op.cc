@@ -2,14 +2,17 @@
 // MoeInitRouting on ORT's CUDA EP (kernels: cuda.cu): x [M, H] float32/float16, expert_ids
 // int32 [M, K], attribute num_experts -> sorted_x [M*K, H] (dtype of x), sorted_to_flat int32
 // [M*K], group_list int64 [E]. Same checks and messages as the CPU op; an expert id out of
-// range is found by the kernel and fails the Run after one stream sync.
+// range is found by the kernel and reported through the node's status word
+// (cuda/device_status.h: at its next Compute, or by ort_ops_take_device_error() after the Run),
+// so the host never waits for the GPU.
 #include "ops/moe_init_routing/cuda_op.h"
 
 #include <climits>
 #include <memory>
-#include <vector>
+#include <string>
 
 #include "common/tensor.h"
+#include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/moe_init_routing/cuda.cuh"
 #include "ops/moe_init_routing/validate.h"
@@ -24,13 +27,17 @@ using cuda_util::check_cuda;
 class MoeInitRoutingCuda final : public KernelImpl {
  public:
   explicit MoeInitRoutingCuda(const OrtKernelInfo* info)
-      : num_experts_(moe_init_routing::read_num_experts(info)) {
+      : num_experts_(moe_init_routing::read_num_experts(info)),
+        status_([this](int) {
+          return str_cat(kOp, ": input 'expert_ids' must be in [0, ", num_experts_, "), got an id outside");
+        }) {
     if (num_experts_ > INT32_MAX)
       fail_unsupported(kOp, "attribute 'num_experts' must be <= ", INT32_MAX, " on the CUDA EP, got ",
                        num_experts_);
   }
 
   void compute(Ort::KernelContext& ctx) override {
+    status_.raise_pending();
     const moe_init_routing::Inputs in = moe_init_routing::read_inputs(ctx);
     const InputView &x = in.x, &ids = in.expert_ids;
     const moe_init_routing::Dims d = moe_init_routing::validate_inputs(in);
@@ -43,23 +50,14 @@ class MoeInitRoutingCuda final : public KernelImpl {
                                       moe_init_cuda::moe_init_workspace_bytes(total, num_experts_));
     check_cuda(kOp,
                moe_init_cuda::launch_moe_init(x.data, x.dtype == F16 ? 2 : 4, ids.ptr<int32_t>(),
-                                              sorted_x, s2f, group_list, scratch.get(), m, k, h,
-                                              num_experts_, stream),
+                                              sorted_x, s2f, group_list, scratch.get(),
+                                              status_.word(kOp), m, k, h, num_experts_, stream),
                "kernel launch");
-    int err = 0;
-    check_cuda(kOp, cudaMemcpyAsync(&err, scratch.get(), sizeof(int), cudaMemcpyDeviceToHost, stream),
-               "error word copy");
-    check_cuda(kOp, cudaStreamSynchronize(stream), "stream synchronize");
-    if (err & moe_init_cuda::kErrBadExpert) {
-      std::vector<int32_t> id(static_cast<size_t>(total));
-      check_cuda(kOp, cudaMemcpy(id.data(), ids.data, 4 * id.size(), cudaMemcpyDeviceToHost),
-                 "expert_ids copy");
-      moe_init_routing::check_expert_ids(id.data(), d, num_experts_);
-    }
   }
 
  private:
   int64_t num_experts_;
+  cuda_util::DeviceStatus status_;
 };
 
 }  // namespace

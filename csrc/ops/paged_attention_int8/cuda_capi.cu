@@ -104,6 +104,8 @@ ORT_OPS_CUDA_EXPORT int ort_ops_cuda_quantize_kv_cache(const void* key, const vo
   p.head_dim = head_dim;
   p.block_size = block_size;
   p.num_slots = num_slots;
+  // `status` is 32 bytes of device memory: the status word, then the slot check's scratch.
   p.status = status;
+  p.workspace = reinterpret_cast<char*>(status) + 16;
   return static_cast<int>(ort_ops::launch_quantize_kv_cache(p, static_cast<cudaStream_t>(stream)));
 }

@@ -4,27 +4,23 @@
 // the CUDA kernels' limits here); the kernels of cuda.cu run on the session's compute stream
 // with scratch (split partials + the status word) from ORT's CUDA allocator.
 //
-// block_tables, seq_lens and cu_seqlens_q live on the device, so their values are checked by
-// the kernel itself (it never reads out of bounds on bad values) and reported in a status word.
-// To fail the Run as the contract requires, Compute synchronizes the stream once per Run and
-// reads the word. The word sits in pinned host memory mapped into the device (one per Run in
-// flight, from a pool): the host zeroes it before the launch, the kernels OR bits into it only on
-// bad input, and the host reads it after the sync. So a Run is the launch(es) and one sync: no
-// memset node and no device-to-host copy, which cost 7-11 us of wall time per Run on the H200
-// (memset + launch + pageable copy + sync 29.1 us against 17.8 for launch + sync at batch 1 / 4k,
-// 86.7 against 79.7 at batch 32 / 4k; NOTES_attention_cuda.md, v10).
+// block_tables, seq_lens and cu_seqlens_q live on the device and the host never reads them: the
+// kernels check every value they use (they never read out of bounds on bad values) and report
+// through the op's status word (cuda/device_status.h), at the op's next Compute or by
+// ort_ops_take_device_error() after the Run. The grid is sized from shapes alone (max_blocks *
+// block_size bounds the context, T the query rows), and T == S with cu_seqlens_q means decode
+// (every sequence has at least one query row, DESIGN.md), so a Run is its launches: the host never
+// waits for the GPU and the node can be captured in a CUDA graph.
 #include "ops/paged_attention_int8/cuda_op.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <memory>
-#include <mutex>
+#include <atomic>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "common/tensor.h"
+#include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/paged_attention_int8/cuda.cuh"
 #include "ops/paged_attention_int8/validate.h"
@@ -57,68 +53,30 @@ void check_cuda_head_dim_and_block_size(int64_t D, int64_t B) {
 
 constexpr pa::DeviceChecks kCudaChecks{check_cuda_attrs, check_cuda_head_dim_and_block_size};
 
-// A status word in pinned host memory, mapped into one device's address space.
-struct StatusWord {
-  int device = -1;
-  int* host = nullptr;  // cudaHostAlloc(cudaHostAllocMapped)
-  int* dev = nullptr;   // the same word as the device sees it
-  ~StatusWord() {
-    if (host) cudaFreeHost(host);
-  }
-};
-
-// The status words of one kernel instance: a Run takes one (or makes one) and gives it back after
-// its sync, so concurrent Runs never share a word and none is written by a kernel still in flight.
-class StatusPool {
- public:
-  class Lease {
-   public:
-    Lease(StatusPool& pool, std::unique_ptr<StatusWord> word) : pool_(pool), word_(std::move(word)) {}
-    ~Lease() { pool_.put(std::move(word_)); }
-    Lease(const Lease&) = delete;
-    Lease& operator=(const Lease&) = delete;
-    const StatusWord* operator->() const { return word_.get(); }
-
-   private:
-    StatusPool& pool_;
-    std::unique_ptr<StatusWord> word_;
-  };
-
-  std::unique_ptr<StatusWord> take(int device) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = free_.begin(); it != free_.end(); ++it)
-        if ((*it)->device == device) {
-          std::unique_ptr<StatusWord> w = std::move(*it);
-          free_.erase(it);
-          return w;
-        }
-    }
-    auto w = std::make_unique<StatusWord>();
-    w->device = device;
-    check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&w->host), sizeof(int), cudaHostAllocMapped),
-               "pinned status word");
-    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&w->dev), w->host, 0), "mapped status word");
-    return w;
-  }
-
- private:
-  void put(std::unique_ptr<StatusWord> w) {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(std::move(w));
-  }
-  std::mutex mu_;
-  std::vector<std::unique_ptr<StatusWord>> free_;
-};
-
+// The message for the bits a launch set (cuda.cuh), with the dims of the latest Run.
+std::string describe(int bits, int64_t context_bound, int64_t num_blocks, int64_t num_tokens) {
+  if (bits & kPaSeqLenOutOfRange)
+    return str_cat(kOp, ": input 'seq_lens' must be in 1..", context_bound,
+                   " (max_blocks * block_size) and >= each sequence's query count");
+  if (bits & (kPaCuSeqlensBad | kPaNotOneQueryEach))
+    return str_cat(kOp, ": input 'cu_seqlens_q' must rise from 0 to T = ", num_tokens,
+                   " with at least one query row per sequence");
+  if (bits & kPaBlockOutOfRange)
+    return str_cat(kOp, ": input 'block_tables' must hold block ids in 0..", num_blocks - 1,
+                   " for every position below seq_lens");
+  return str_cat(kOp, ": input 'query' must be finite, got NaN or Inf");
+}
 
 class PagedAttentionInt8Cuda final : public KernelImpl {
  public:
-  explicit PagedAttentionInt8Cuda(const OrtKernelInfo* info) : attrs_(pa::parse_attrs(info, kCudaChecks)) {
+  explicit PagedAttentionInt8Cuda(const OrtKernelInfo* info)
+      : attrs_(pa::parse_attrs(info, kCudaChecks)),
+        status_([this](int bits) { return describe(bits, context_bound_.load(), num_blocks_.load(), tokens_.load()); }) {
     pv_ = attrs_.pv_quant == "s8" ? PvQuant::kS8 : attrs_.pv_quant == "u8" ? PvQuant::kU8 : PvQuant::kNone;
   }
 
   void compute(Ort::KernelContext& ctx) override {
+    status_.raise_pending();
     const pa::Inputs in = pa::read_inputs(ctx);
     const pa::Dims dims = pa::validate_inputs(in, kCudaChecks);
     const InputView& q = in.query;
@@ -156,53 +114,32 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
     p.partition_size = static_cast<int>(attrs_.partition_size);
     if (const char* why = paged_attention_unsupported(p)) fail_unsupported(kOp, "(CUDA) ", why);
 
-    // A step with as many query rows as sequences is almost always decode (one row each): try
-    // the decode kernel on cu_seqlens_q (it reads each count on the device), and only if some
-    // count is not 1 (a status bit) run the general kernel as well. Real models pass
-    // cu_seqlens_q on every step, so this is how their decode steps reach the decode kernel.
-    PagedAttentionParams pd = p;
-    pd.max_q_len = 1;
-    pd.decode_with_cu = true;
-    const bool try_decode = cu.present && T == S && paged_attention_decode_kernel_applies(pd);
+    // With cu_seqlens_q, T == S means one query row per sequence (each has at least one): the
+    // decode kernel, which checks that on the device. Real models pass cu_seqlens_q on every
+    // step, so this is how their decode steps reach the decode kernel.
+    if (cu.present && T == S) {
+      PagedAttentionParams pd = p;
+      pd.max_q_len = 1;
+      pd.decode_with_cu = true;
+      if (paged_attention_decode_kernel_applies(pd)) p = pd;
+    }
+    context_bound_.store(M * B);
+    num_blocks_.store(N);
+    tokens_.store(T);
 
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-    size_t ws = paged_attention_workspace_bytes(p);
-    if (try_decode) ws = std::max(ws, paged_attention_workspace_bytes(pd));
-    int device = 0;
-    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    StatusPool::Lease word(status_words_, status_words_.take(device));
+    const size_t ws = paged_attention_workspace_bytes(p);
+    p.status = status_.word(kOp);
     cuda_util::OrtCudaScratch scratch(kOp, ctx, std::max<size_t>(ws, 16));
-    p.workspace = pd.workspace = ws ? scratch.get() : nullptr;
-    p.status = pd.status = word->dev;
-    volatile int* status_word = word->host;
-    int status = 0;
-    auto run = [&](const PagedAttentionParams& launch) {
-      *status_word = 0;  // no kernel writes this word now: every Run that had it synchronized
-      const cudaError_t launched = launch_paged_attention_int8(launch, stream);
-      // Synchronized also after a failed launch (an earlier kernel of it may be queued), so that the
-      // word goes back to the pool with nothing in flight.
-      const cudaError_t synced = cudaStreamSynchronize(stream);
-      check_cuda(launched, "kernel launch");
-      check_cuda(synced, "stream synchronize");
-      status = *status_word;
-    };
-    run(try_decode ? pd : p);
-    if (try_decode && (status & kPaNotOneQueryEach)) run(p);
-    if (status & kPaSeqLenOutOfRange)
-      fail_invalid(kOp, "input 'seq_lens' must be in 0..", M * B,
-                   " (max_blocks * block_size) and >= each sequence's query count");
-    if (status & kPaCuSeqlensBad)
-      fail_invalid(kOp, "input 'cu_seqlens_q' must rise from 0 to T = ", T, " (non-decreasing)");
-    if (status & kPaBlockOutOfRange)
-      fail_invalid(kOp, "input 'block_tables' must hold block ids in 0..", N - 1,
-                   " for every position below seq_lens");
-    if (status & kPaQueryNonFinite) fail_invalid(kOp, "input 'query' must be finite, got NaN or Inf");
+    p.workspace = ws ? scratch.get() : nullptr;
+    check_cuda(launch_paged_attention_int8(p, stream), "kernel launch");
   }
 
  private:
   pa::Attrs attrs_;
   PvQuant pv_ = PvQuant::kS8;
-  StatusPool status_words_;
+  std::atomic<int64_t> context_bound_{0}, num_blocks_{0}, tokens_{0};  // of the latest Run, for messages
+  cuda_util::DeviceStatus status_;
 };
 
 }  // namespace

@@ -126,10 +126,10 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
       const int32_t* c = cu.ptr<int32_t>();
       for (int64_t s = 0; s <= S; ++s) cu_q[s] = c[s];
       bool ok = cu_q[0] == 0 && cu_q[S] == T;
-      for (int64_t s = 0; s < S && ok; ++s) ok = cu_q[s] <= cu_q[s + 1];
+      for (int64_t s = 0; s < S && ok; ++s) ok = cu_q[s] < cu_q[s + 1];
       if (!ok)
         fail_invalid(kOp, "input 'cu_seqlens_q' must rise from 0 to T = ", T,
-                     " (non-decreasing), got ", shape_str(cu_q));
+                     " with at least one query row per sequence, got ", shape_str(cu_q));
     } else {
       for (int64_t s = 0; s <= S; ++s) cu_q[s] = s;  // decode: T == S, checked
     }

@@ -16,21 +16,67 @@ __device__ __forceinline__ float load_elem(const void* base, int64_t i, bool fp1
   return fp16 ? __half2float(static_cast<const __half*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
+// Whether slot_mapping is bad (a slot past the cache, or a live slot twice), decided by one warp
+// for T <= kQkvInlineCheckMax: lane l holds the slots of tokens l and l + 32 and compares each
+// with every earlier token's (broadcast by shuffles).
+__device__ bool slots_bad_inline(const QuantizeKvCacheParams& p, int lane) {
+  const int t = p.num_tokens;
+  const int64_t a = lane < t ? p.slot_mapping[lane] : -1;
+  const int64_t b = lane + 32 < t ? p.slot_mapping[lane + 32] : -1;
+  bool bad = a >= p.num_slots || b >= p.num_slots;
+  for (int j = 0; j < t; ++j) {
+    const int64_t sa = __shfl_sync(0xffffffffu, a, j & 31), sb = __shfl_sync(0xffffffffu, b, j & 31);
+    const int64_t sj = j < 32 ? sa : sb;
+    if (sj < 0) continue;
+    bad = bad || (j < lane && a == sj) || (j < lane + 32 && b == sj);
+  }
+  return __any_sync(0xffffffffu, bad);
+}
+
+// The slot check for many tokens: CTA (i, j) compares tile i's slots with tile j's (j <= i), each
+// against earlier tokens only; tile 0 also checks the range. Sets *verdict (device scratch, zeroed
+// before) and the status bit.
+constexpr int kCheckTile = 256;
+__global__ void check_slots_kernel(const int64_t* slot_mapping, int num_tokens, int64_t num_slots, int* verdict,
+                                   int* status) {
+  if (blockIdx.y > blockIdx.x) return;
+  __shared__ int64_t other[kCheckTile];
+  const int i = blockIdx.x * kCheckTile + threadIdx.x;
+  const int j0 = blockIdx.y * kCheckTile;
+  if (j0 + static_cast<int>(threadIdx.x) < num_tokens) other[threadIdx.x] = slot_mapping[j0 + threadIdx.x];
+  __syncthreads();
+  if (i >= num_tokens) return;
+  const int64_t s = slot_mapping[i];
+  bool bad = blockIdx.y == 0 && s >= num_slots;
+  const int jn = min(kCheckTile, min(num_tokens, i) - j0);  // earlier tokens of tile j only
+  if (s >= 0)
+    for (int j = 0; j < jn && !bad; ++j) bad = other[j] == s;
+  if (bad) {
+    atomicOr(verdict, 1);
+    atomicOr(status, kQkvSlotBad);
+  }
+}
+
 __global__ void quantize_kv_cache_kernel(QuantizeKvCacheParams p) {
   const int lane = threadIdx.x & 31;
   const int64_t vec = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nvec = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * 2;
   if (vec >= nvec) return;
+  // All or nothing: no vector is written when slot_mapping is bad.
+  if (p.num_tokens <= kQkvInlineCheckMax) {
+    if (slots_bad_inline(p, lane)) {
+      if (vec == 0 && lane == 0) atomicOr(p.status, kQkvSlotBad);
+      return;
+    }
+  } else if (*static_cast<const volatile int*>(p.workspace) != 0) {
+    return;
+  }
   const bool is_value = vec & 1;
   const int64_t th = vec >> 1;  // token * H + head
   const int token = static_cast<int>(th / p.num_kv_heads);
   const int head = static_cast<int>(th % p.num_kv_heads);
   const int64_t slot = p.slot_mapping[token];
   if (slot < 0) return;  // skipped token (padding)
-  if (slot >= p.num_slots) {
-    if (lane == 0 && !is_value) atomicOr(p.status, kQkvSlotOutOfRange);
-    return;
-  }
   const int d_total = p.head_dim;
   const void* src = is_value ? p.value : p.key;
   const int64_t row = th * d_total;
@@ -72,11 +118,25 @@ __global__ void quantize_kv_cache_kernel(QuantizeKvCacheParams p) {
 
 }  // namespace
 
+size_t quantize_kv_cache_workspace_bytes(int64_t num_tokens) {
+  return num_tokens > kQkvInlineCheckMax ? 16 : 0;
+}
+
 cudaError_t launch_quantize_kv_cache(const QuantizeKvCacheParams& p, cudaStream_t stream) {
   if (p.head_dim <= 0 || p.head_dim > 32 * kMaxPerLane || p.block_size <= 0 || p.status == nullptr)
     return cudaErrorInvalidValue;
   const int64_t nvec = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * 2;
   if (nvec == 0) return cudaSuccess;
+  if (p.num_tokens > kQkvInlineCheckMax) {
+    if (p.workspace == nullptr) return cudaErrorInvalidValue;
+    int* verdict = static_cast<int*>(p.workspace);
+    cudaError_t err = cudaMemsetAsync(verdict, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+    const unsigned tiles = static_cast<unsigned>((p.num_tokens + kCheckTile - 1) / kCheckTile);
+    check_slots_kernel<<<dim3(tiles, tiles), kCheckTile, 0, stream>>>(p.slot_mapping, p.num_tokens, p.num_slots,
+                                                                      verdict, p.status);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   constexpr int kThreads = 256;
   const int64_t blocks = (nvec * 32 + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;

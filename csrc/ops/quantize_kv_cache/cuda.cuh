@@ -11,11 +11,18 @@
 
 namespace ort_ops {
 
-// Bits the kernel ORs into *status (a device int the caller zeroes and reads back).
+// Bits the kernels OR into *status (the op's mapped status word, cuda/device_status.h; never
+// cleared on the device).
 enum QuantizeKvStatus : int {
-  kQkvSlotOutOfRange = 1,  // a slot >= N * B: the token is skipped, nothing written out of bounds
-  kQkvNonFinite = 2,       // a K or V vector holds NaN/Inf: its codes are not written
+  // A slot >= N * B, or a live (>= 0) slot given to two tokens: nothing of the launch is written.
+  kQkvSlotBad = 1,
+  kQkvNonFinite = 2,  // a K or V vector holds NaN/Inf: its codes are not written, the others are
 };
+
+// Up to this many tokens every warp of the write kernel checks all slots itself (T^2 / 2
+// comparisons in registers); more tokens get a check kernel first, whose verdict the write kernel
+// reads (the launch needs quantize_kv_cache_workspace_bytes(T) of device scratch then).
+inline constexpr int kQkvInlineCheckMax = 64;
 
 struct QuantizeKvCacheParams {
   const void* key = nullptr;
@@ -32,11 +39,15 @@ struct QuantizeKvCacheParams {
   int block_size = 0;
   int64_t num_slots = 0;  // N * B
   int* status = nullptr;  // required
+  void* workspace = nullptr;  // quantize_kv_cache_workspace_bytes(num_tokens) bytes (when non-zero)
 };
 
+size_t quantize_kv_cache_workspace_bytes(int64_t num_tokens);
+
 // Quantizes each (token, kv head) K and V vector with the contract's rule (bit-exact with
-// ort_ops.ops._quant.quantize_rows) and writes the codes and scales into its slot. Slots must
-// be distinct (the caller checks; two tokens of one slot would race). Returns the launch status.
+// ort_ops.ops._quant.quantize_rows) and writes the codes and scales into its slot. The slots are
+// checked on the device before anything is written (range, no live slot twice): a bad
+// slot_mapping leaves the caches untouched and sets kQkvSlotBad. Returns the launch status.
 cudaError_t launch_quantize_kv_cache(const QuantizeKvCacheParams& p, cudaStream_t stream);
 
 }  // namespace ort_ops

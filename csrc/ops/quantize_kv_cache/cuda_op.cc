@@ -2,20 +2,23 @@
 // QuantizeKVCache on ORT's CUDA EP: the CPU op's inputs, checks and messages (validate.cc, shared
 // with op.cc) plus the CUDA kernel's limits, the kernel of cuda.cu on the session's compute stream.
 //
-// slot_mapping is on the device; it is copied to the host (T int64, once per Run) so that an
-// out-of-range or repeated slot fails the Run before anything is written, as on the CPU. A
-// non-finite K/V vector is reported by the kernel in a status word (from ORT's CUDA allocator)
-// that Compute reads back after one stream synchronization; such a vector is never written, the
-// others of that Run are. Outputs that are not their input's own buffer (no IOBinding in place)
-// get a device-to-device copy of the cache first; in place, only the T new slots are written.
+// slot_mapping is on the device and is never read by the host: the kernels check it (range, no
+// live slot twice) before writing anything, and a non-finite K/V vector is left unwritten. What
+// they find is reported through the op's status word (cuda/device_status.h): at the op's next
+// Compute, or by ort_ops_take_device_error() after the Run. So a Run is its launches alone: the
+// host never waits for the GPU. Outputs that are not their input's own buffer (no IOBinding in
+// place) get a device-to-device copy of the cache first; in place, only the T new slots are written.
 #include "ops/quantize_kv_cache/cuda_op.h"
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
-#include <vector>
+#include <string>
 
 #include "common/tensor.h"
+#include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/quantize_kv_cache/cuda.cuh"
 #include "ops/quantize_kv_cache/validate.h"
@@ -41,11 +44,21 @@ void check_same_float_dtype(const InputView& key, const InputView& value) {
                      dtype_name(value.dtype));
 }
 
+std::string describe(int bits, int64_t num_slots) {
+  if (bits & kQkvSlotBad)
+    return str_cat(kOp, ": input 'slot_mapping' must hold slots < ", num_slots,
+                   " (num_blocks * block_size), negative to skip a token, and no slot >= 0 twice; "
+                   "nothing of that Run was written");
+  return str_cat(kOp, ": inputs 'key' and 'value' must be finite, got NaN or Inf (those vectors were not written)");
+}
+
 class QuantizeKVCacheCuda final : public KernelImpl {
  public:
-  explicit QuantizeKVCacheCuda(const OrtKernelInfo*) {}
+  explicit QuantizeKVCacheCuda(const OrtKernelInfo*)
+      : status_([this](int bits) { return describe(bits, num_slots_.load()); }) {}
 
   void compute(Ort::KernelContext& ctx) override {
+    status_.raise_pending();
     const kvc::Inputs in = kvc::read_inputs(ctx);
     const kvc::Dims dims = kvc::validate_inputs(in, {check_same_float_dtype});
     const InputView &key = in.key, &value = in.value, &slots = in.slot_mapping, &kc = in.key_cache,
@@ -55,14 +68,8 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     if (T * H >= (int64_t{1} << 30)) fail_unsupported(kOp, "(CUDA) T * kv heads must be < 2^30");
 
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-    std::vector<int64_t> slot(static_cast<size_t>(T));
-    if (T) {
-      check_cuda(cudaMemcpyAsync(slot.data(), slots.data, sizeof(int64_t) * T, cudaMemcpyDeviceToHost, stream),
-                 "slot_mapping copy");
-      check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
-    }
     const int64_t num_slots = N * B;
-    const int64_t live = kvc::check_slots(slot.data(), dims);
+    num_slots_.store(num_slots);
 
     auto* kc_out = make_output<int8_t>(ctx, 0, kc.shape);
     auto* vc_out = make_output<int8_t>(ctx, 1, vc.shape);
@@ -76,9 +83,10 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     copy_unless_same(vc, vc_out, vc.numel);
     copy_unless_same(ks, ks_out, ks.numel * sizeof(float));
     copy_unless_same(vs, vs_out, vs.numel * sizeof(float));
-    if (live == 0 || D == 0) return;
+    if (T == 0 || D == 0) return;
 
-    cuda_util::OrtCudaScratch status_buf(kOp, ctx, 256);
+    const size_t ws = quantize_kv_cache_workspace_bytes(T);
+    cuda_util::OrtCudaScratch scratch(kOp, ctx, std::max<size_t>(ws, 16));
 
     QuantizeKvCacheParams p;
     p.key = key.data;
@@ -94,17 +102,14 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     p.head_dim = static_cast<int>(D);
     p.block_size = static_cast<int>(B);
     p.num_slots = num_slots;
-    p.status = reinterpret_cast<int*>(status_buf.get());
-    check_cuda(cudaMemsetAsync(p.status, 0, sizeof(int), stream), "status reset");
+    p.status = status_.word(kOp);
+    p.workspace = scratch.get();
     check_cuda(launch_quantize_kv_cache(p, stream), "kernel launch");
-    int status = 0;
-    check_cuda(cudaMemcpyAsync(&status, p.status, sizeof(int), cudaMemcpyDeviceToHost, stream), "status copy");
-    check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
-    if (status & kQkvNonFinite)
-      fail_invalid(kOp, "inputs 'key' and 'value' must be finite, got NaN or Inf");
-    if (status & kQkvSlotOutOfRange)  // checked above; kept so a kernel-side report is never lost
-      fail_invalid(kOp, "input 'slot_mapping' must hold slots < ", num_slots, " (num_blocks * block_size)");
   }
+
+ private:
+  std::atomic<int64_t> num_slots_{0};  // of the latest Run, for the message
+  cuda_util::DeviceStatus status_;
 };
 
 }  // namespace
