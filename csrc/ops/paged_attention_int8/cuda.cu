@@ -621,6 +621,12 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   constexpr bool kF16 = PV == PvQuant::kNone;
   constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
   static_assert(NKC % 2 == 0 && 32 % KPR == 0, "stage shape");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the stream's previous kernel (sm_90; launch_warp):
+  // resident while that kernel (QuantizeKVCache, writing this step's keys) finishes, it waits here,
+  // before its first global read, for that grid's writes. A no-op when launched normally.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -1085,14 +1091,16 @@ int sm_major() {  // of the current device, cached per device
   return major[dev];
 }
 
-int sm_count() {
-  static int count = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 132;
-    return n;
-  }();
-  return count;
+int sm_count() {  // of the current device, cached per device; 1 if it cannot be asked
+  static int count[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
+  if (count[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) return 1;
+    count[dev] = n;
+  }
+  return count[dev];
 }
 
 template <int D>
@@ -1180,8 +1188,21 @@ cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int6
   auto kernel = vrows ? decode_warp_kernel<D, PV, DW, NS, true> : decode_warp_kernel<D, PV, DW, NS, false>;
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::BYTES);
   if (attr != cudaSuccess) return attr;
-  kernel<<<static_cast<unsigned>(ctas), 32 * DW, C::BYTES, stream>>>(p, ts);
-  return cudaSuccess;
+  // A programmatic dependent launch where the GPU has it (sm_90): the grid becomes resident while
+  // the previous kernel drains instead of after it (the kernel waits before reading anything).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(32 * DW);
+  cfg.dynamicSmemBytes = C::BYTES;
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  if (sm_major() >= 9) {
+    cfg.attrs = pdl;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, p, ts);
 }
 
 template <int D, PvQuant PV>

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <string>
 
 #include "common/tensor.h"
@@ -130,8 +131,9 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const size_t ws = paged_attention_workspace_bytes(p);
     p.status = status_.word(kOp);
-    cuda_util::OrtCudaScratch scratch(kOp, ctx, std::max<size_t>(ws, 16));
-    p.workspace = ws ? scratch.get() : nullptr;
+    std::optional<cuda_util::OrtCudaScratch> scratch;  // none at one split: no allocator round trip
+    if (ws) scratch.emplace(kOp, ctx, ws);
+    p.workspace = ws ? scratch->get() : nullptr;
     check_cuda(launch_paged_attention_int8(p, stream), "kernel launch");
   }
 

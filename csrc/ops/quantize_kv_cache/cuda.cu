@@ -58,6 +58,13 @@ __global__ void check_slots_kernel(const int64_t* slot_mapping, int num_tokens, 
 }
 
 __global__ void quantize_kv_cache_kernel(QuantizeKvCacheParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent (sm_90, decode-sized launches): wait for the previous
+  // kernel's writes (the K/V this step projected) before any global read, then let the next
+  // kernel (the attention, which waits for this grid in turn) become resident.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   const int lane = threadIdx.x & 31;
   const int64_t vec = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nvec = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * 2;
@@ -140,8 +147,22 @@ cudaError_t launch_quantize_kv_cache(const QuantizeKvCacheParams& p, cudaStream_
   constexpr int kThreads = 256;
   const int64_t blocks = (nvec * 32 + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  quantize_kv_cache_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  // Decode-sized launches (the in-kernel slot check) overlap their start with the previous
+  // kernel's tail on sm_90; the check-kernel path is already ordered behind its own launches.
+  int device = 0, major = 0;
+  if (p.num_tokens <= kQkvInlineCheckMax && cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9) {
+    cfg.attrs = pdl;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, quantize_kv_cache_kernel, p);
 }
 
 }  // namespace ort_ops

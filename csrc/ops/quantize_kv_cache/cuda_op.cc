@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <memory>
 #include <string>
 
@@ -86,7 +87,8 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     if (T == 0 || D == 0) return;
 
     const size_t ws = quantize_kv_cache_workspace_bytes(T);
-    cuda_util::OrtCudaScratch scratch(kOp, ctx, std::max<size_t>(ws, 16));
+    std::optional<cuda_util::OrtCudaScratch> scratch;  // only for the check kernel (T > 64)
+    if (ws) scratch.emplace(kOp, ctx, ws);
 
     QuantizeKvCacheParams p;
     p.key = key.data;
@@ -103,7 +105,7 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     p.block_size = static_cast<int>(B);
     p.num_slots = num_slots;
     p.status = status_.word(kOp);
-    p.workspace = scratch.get();
+    p.workspace = ws ? scratch->get() : nullptr;
     check_cuda(launch_quantize_kv_cache(p, stream), "kernel launch");
   }
 
