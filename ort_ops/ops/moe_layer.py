@@ -270,9 +270,9 @@ def build_moe_int8_model(q: QuantizedMoeWeights, top_k: int, renormalize: bool =
                    helper.make_tensor_value_info("topk_weights", TensorProto.FLOAT, ["T", top_k])]
     d = {"domain": DOMAIN}
     nodes += [
-        helper.make_node("MoeInitRouting", ["x", "topk_ids"], ["sorted_x", "sorted_to_flat", "group_list"],
-                         num_experts=e, **d),
-        helper.make_node("DynamicQuant", ["sorted_x"], ["xq", "x_scale"], **d),
+        helper.make_node("DynamicQuant", ["x"], ["tq", "t_scale"], **d),
+        helper.make_node("MoeInitRouting", ["tq", "topk_ids", "t_scale"],
+                         ["xq", "sorted_to_flat", "group_list", "x_scale"], num_experts=e, **d),
         helper.make_node("GroupedMatmulSwigluQuant", ["xq", "w_gate_up", "w_gate_up_scale", "x_scale", "group_list"],
                          ["hq", "h_scale", "h_offset"], **d),
         helper.make_node("GroupedMatmulDequant", ["hq", "w_down", "w_down_scale", "h_scale", "group_list"],

@@ -2,7 +2,7 @@
 """MoE fusion: mixture-of-experts blocks of exported models become the INT8 chain of DESIGN.md.
 
     x_TH, topk_ids_TK, topk_w_TK  (the graph's own router, kept as it is)
-      -> Cast(ids, int32) -> MoeInitRouting -> DynamicQuant -> GroupedMatmulSwigluQuant
+      -> Cast(ids, int32) -> DynamicQuant(x) -> MoeInitRouting(int8 rows + scales) -> GroupedMatmulSwigluQuant
       -> GroupedMatmulDequant -> MoeFinalizeRouting -> out_TH   (Reshape back to [B, S, H] if the
          block's output had that shape)
 
@@ -839,8 +839,10 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     ids32 = add("Cast", [ids], domain="", to=int(ir.DataType.INT32))[0]
     if weights.dtype not in (None, ir.DataType.FLOAT):
         weights = add("Cast", [weights], domain="", to=int(ir.DataType.FLOAT))[0]
-    sorted_x, s2f, groups = add("MoeInitRouting", [x, ids32], 3, num_experts=e)
-    xq, xs = add("DynamicQuant", [sorted_x], 2)
+    # The token rows are quantized once, before routing; MoeInitRouting gathers the int8 rows and
+    # their scales (the same codes as quantizing each gathered copy, K times fewer rows to quantize).
+    tq, ts = add("DynamicQuant", [x], 2)
+    xq, s2f, groups, xs = add("MoeInitRouting", [tq, ids32, ts], 4, num_experts=e)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]

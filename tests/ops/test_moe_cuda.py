@@ -695,6 +695,16 @@ def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
     got = assert_reported_both_ways(sess, bad, feeds, r"MoeInitRouting: input 'expert_ids' must be in \[0, 8\)")
     for a, b in zip(got, reference.moe_init_routing(x, ids, e)):
         np.testing.assert_array_equal(a, b)
+    # The lean chain's form: int8 token rows (odd H: the byte-wise gather) and their scales.
+    for hh in (h, 37):
+        tq = rng.integers(-127, 128, (m, hh), dtype=np.int8)
+        ts = rng.uniform(0.01, 1.0, m).astype(np.float32)
+        qfeeds = {"x": tq, "expert_ids": ids, "x_scale": ts}
+        got = cuda_ep_session(qfeeds, schema=init_mod.SCHEMA, num_experts=e).run(None, qfeeds)
+        want = reference.moe_init_routing(tq, ids, e, ts)
+        assert len(got) == 4
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
 
     eo = rng.standard_normal((m * k, h)).astype(np.float32)
     s2f = rng.permutation(m * k).astype(np.int32)

@@ -23,8 +23,8 @@ def _ids(rng, m, k, e):
     return np.array(rows, np.int32).reshape(m, k)
 
 
-def _init(x, ids, e):
-    return run_single_op(init.SCHEMA, {"x": x, "expert_ids": ids}, num_experts=e)
+def _init(x, ids, e, x_scale=None):
+    return run_single_op(init.SCHEMA, {"x": x, "expert_ids": ids, "x_scale": x_scale}, num_experts=e)
 
 
 def _fin(eo, s2f, w, residual=None):
@@ -43,6 +43,45 @@ def test_init_routing_matches_reference(rng, case, dtype):
     assert got[0].dtype == dtype and got[1].dtype == np.int32 and got[2].dtype == np.int64
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-H{}-K{}-E{}".format(*c))
+def test_int8_rows_then_routing_equals_routing_then_quantization(rng, case):
+    """The lean chain: DynamicQuant of the M token rows, then MoeInitRouting of the int8 rows and
+    their scales, gives the codes and scales of MoeInitRouting then DynamicQuant of the M*K
+    gathered rows, bit for bit (row quantization commutes with the row gather)."""
+    from ort_ops.ops import dynamic_quant as dq
+
+    m, h, k, e = case
+    x = (rng.standard_normal((m, h)) * rng.uniform(0.1, 10.0, (m, 1))).astype(np.float32)
+    ids = _ids(rng, m, k, e)
+    tq, ts = run_single_op(dq.SCHEMA, {"x": x})
+    xq, s2f, gl, xs = _init(tq, ids, e, ts)
+    want = reference.moe_init_routing(tq, ids, e, ts)
+    for g, w in zip((xq, s2f, gl, xs), want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+    sorted_x, rs2f, rgl = reference.moe_init_routing(x, ids, e)
+    rq, rs = reference.dynamic_quant(sorted_x)
+    np.testing.assert_array_equal(xq, rq)
+    np.testing.assert_array_equal(xs.view(np.int32), rs.view(np.int32))
+    np.testing.assert_array_equal(s2f, rs2f)
+    np.testing.assert_array_equal(gl, rgl)
+
+
+def test_init_routing_x_scale_goes_with_int8_x(rng):
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    ids = np.zeros((3, 2), np.int32)
+    q = rng.integers(-127, 128, (3, 4), dtype=np.int8)
+    s = np.ones(3, np.float32)
+    with pytest.raises(Exception, match=r"MoeInitRouting: input 'x_scale' must be given exactly when 'x' is int8"):
+        _init(q, ids, 4)
+    with pytest.raises(Exception, match=r"MoeInitRouting: input 'x_scale' must be given exactly when 'x' is int8"):
+        _init(x, ids, 4, s)
+    with pytest.raises(Exception, match=r"MoeInitRouting: input 'x_scale' must have shape \[3\], got \[2\]"):
+        _init(q, ids, 4, s[:2])
+    with pytest.raises(ValueError, match=r"input 'x_scale' must be given exactly when 'x' is int8"):
+        reference.moe_init_routing(q, ids, 4)
 
 
 def test_init_routing_is_stable_with_repeats(rng):
@@ -96,7 +135,7 @@ def test_init_routing_errors(rng):
         reference.moe_init_routing(x, bad, 4)
     with pytest.raises(Exception, match=r"MoeInitRouting: input 'expert_ids' must have shape \[3, K\]"):
         _init(x, np.zeros((2, 2), np.int32), 4)
-    with pytest.raises(Exception, match=r"MoeInitRouting: input 'x' must be float32 or float16, got float64"):
+    with pytest.raises(Exception, match=r"MoeInitRouting: input 'x' must be float32 or float16 or int8, got float64"):
         _init(x.astype(np.float64), np.zeros((3, 2), np.int32), 4)
     with pytest.raises(Exception, match=r"expert_ids"):  # fixed int32: ORT refuses at session creation
         _init(x, np.zeros((3, 2), np.int64), 4)

@@ -63,7 +63,7 @@ __global__ void ends_kernel(const uint32_t* sorted_keys, int64_t total, int64_t*
   }
 }
 
-// One thread per 4-byte word (or 2-byte element when the row is an odd number of halves).
+// One thread per 4-byte word (or 2- or 1-byte element when the row's bytes do not divide).
 template <typename W>
 __global__ void gather_kernel(const W* x, const int32_t* order, W* out, int64_t total, int64_t k,
                               int64_t words) {
@@ -73,6 +73,14 @@ __global__ void gather_kernel(const W* x, const int32_t* order, W* out, int64_t 
     const int64_t i = idx / words, w = idx % words;
     out[idx] = x[(order[i] / k) * words + w];
   }
+}
+
+// sorted_x_scale[i] = x_scale[order[i] / k]: the row scales of int8 x follow their rows.
+__global__ void gather_scale_kernel(const float* x_scale, const int32_t* order, float* out, int64_t total,
+                                    int64_t k) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = x_scale[order[i] / k];
 }
 
 int blocks_for(int64_t n) {
@@ -88,9 +96,9 @@ size_t moe_init_workspace_bytes(int64_t total, int64_t e) {
 cudaError_t launch_moe_init(const void* x, int elem_bytes, const int32_t* expert_ids,
                             void* sorted_x, int32_t* sorted_to_flat, int64_t* group_list,
                             void* workspace, int* err, int64_t m, int64_t k, int64_t h, int64_t e,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const float* x_scale, float* sorted_x_scale) {
   if (m < 0 || k < 0 || h < 0 || e < 1 || e > (int64_t{1} << 31) || m * k > INT32_MAX ||
-      (elem_bytes != 2 && elem_bytes != 4))
+      (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4) || (x_scale == nullptr) != (sorted_x_scale == nullptr))
     return cudaErrorInvalidValue;
   const int64_t total = m * k;
   char* ws = static_cast<char*>(workspace);
@@ -117,10 +125,18 @@ cudaError_t launch_moe_init(const void* x, int elem_bytes, const int32_t* expert
       gather_kernel<<<blocks_for(total * (row_bytes / 4)), 256, 0, stream>>>(
           static_cast<const uint32_t*>(x), sorted_to_flat, static_cast<uint32_t*>(sorted_x), total,
           k, row_bytes / 4);
-    else
+    else if (row_bytes % 2 == 0)
       gather_kernel<<<blocks_for(total * (row_bytes / 2)), 256, 0, stream>>>(
           static_cast<const uint16_t*>(x), sorted_to_flat, static_cast<uint16_t*>(sorted_x), total,
           k, row_bytes / 2);
+    else
+      gather_kernel<<<blocks_for(total * row_bytes), 256, 0, stream>>>(
+          static_cast<const uint8_t*>(x), sorted_to_flat, static_cast<uint8_t*>(sorted_x), total, k,
+          row_bytes);
+    err_c = cudaGetLastError();
+  }
+  if (err_c == cudaSuccess && x_scale != nullptr && total > 0) {
+    gather_scale_kernel<<<blocks_for(total), 256, 0, stream>>>(x_scale, sorted_to_flat, sorted_x_scale, total, k);
     err_c = cudaGetLastError();
   }
   return err_c;

@@ -21,7 +21,6 @@ namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "MoeInitRouting";
-constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 using cuda_util::check_cuda;
 
 class MoeInitRoutingCuda final : public KernelImpl {
@@ -45,13 +44,18 @@ class MoeInitRoutingCuda final : public KernelImpl {
     void* sorted_x = make_output_raw(ctx, 0, {total, h});
     int32_t* s2f = make_output<int32_t>(ctx, 1, {total});
     int64_t* group_list = make_output<int64_t>(ctx, 2, {num_experts_});
+    float* sorted_scale = nullptr;  // sorted_x_scale when the graph asks for it ([0] without x_scale)
+    if (ctx.GetOutputCount() > 3) sorted_scale = make_output<float>(ctx, 3, {in.x_scale.present ? total : 0});
+    // Scales are gathered only where both ends exist (int8 x, and the graph takes sorted_x_scale).
+    const float* x_scale = in.x_scale.present && sorted_scale != nullptr ? in.x_scale.ptr<float>() : nullptr;
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     cuda_util::OrtCudaScratch scratch(kOp, ctx,
                                       moe_init_cuda::moe_init_workspace_bytes(total, num_experts_));
     check_cuda(kOp,
-               moe_init_cuda::launch_moe_init(x.data, x.dtype == F16 ? 2 : 4, ids.ptr<int32_t>(),
+               moe_init_cuda::launch_moe_init(x.data, static_cast<int>(d.elem_bytes), ids.ptr<int32_t>(),
                                               sorted_x, s2f, group_list, scratch.get(),
-                                              status_.word(kOp), m, k, h, num_experts_, stream),
+                                              status_.word(kOp), m, k, h, num_experts_, stream, x_scale,
+                                              x_scale != nullptr ? sorted_scale : nullptr),
                "kernel launch");
   }
 

@@ -20,7 +20,6 @@ namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "MoeInitRouting";
-constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 
 class MoeInitRoutingCpu final : public KernelImpl {
  public:
@@ -45,7 +44,15 @@ class MoeInitRoutingCpu final : public KernelImpl {
     for (int64_t f = 0; f < total; ++f) s2f[next[static_cast<size_t>(id[f])]++] = static_cast<int32_t>(f);
 
     auto* out = static_cast<uint8_t*>(make_output_raw(ctx, 0, {total, h}));
-    const size_t row_bytes = static_cast<size_t>(h) * (x.dtype == F32 ? 4 : 2);
+    // sorted_x_scale when the graph asks for it: x_scale of each sorted row, [0] without x_scale.
+    if (ctx.GetOutputCount() > 3) {
+      float* sorted_scale = make_output<float>(ctx, 3, {in.x_scale.present ? total : 0});
+      if (in.x_scale.present) {
+        const float* xs = in.x_scale.ptr<float>();
+        for (int64_t i = 0; i < total; ++i) sorted_scale[i] = xs[s2f[i] / k];
+      }
+    }
+    const size_t row_bytes = static_cast<size_t>(h) * static_cast<size_t>(d.elem_bytes);
     if (total == 0 || row_bytes == 0) return;
     const auto* src = static_cast<const uint8_t*>(x.data);
     const int64_t rows_per = std::max<int64_t>(1, static_cast<int64_t>((size_t{1} << 18) / row_bytes));

@@ -8,6 +8,7 @@ namespace ort_ops::moe_init_routing {
 constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
 
 int64_t read_num_experts(const OrtKernelInfo* info) {
   const int64_t num_experts = attr_int(info, "num_experts", -1);
@@ -17,14 +18,14 @@ int64_t read_num_experts(const OrtKernelInfo* info) {
 }
 
 Inputs read_inputs(const Ort::KernelContext& ctx) {
-  return Inputs{read_input(ctx, 0), read_input(ctx, 1)};
+  return Inputs{read_input(ctx, 0), read_input(ctx, 1), read_input(ctx, 2)};
 }
 
 Dims validate_inputs(const Inputs& in) {
   const InputView &x = in.x, &ids = in.expert_ids;
   require_present(kOp, "x", x);
   require_present(kOp, "expert_ids", ids);
-  require_dtype(kOp, "x", x, {F32, F16});
+  require_dtype(kOp, "x", x, {F32, F16, I8});
   require_rank(kOp, "x", x, 2);
   require_dtype(kOp, "expert_ids", ids, {I32});
   require_rank(kOp, "expert_ids", ids, 2);
@@ -32,11 +33,19 @@ Dims validate_inputs(const Inputs& in) {
   if (ids.dim(0) != m)
     fail_invalid(kOp, "input 'expert_ids' must have shape [", m, ", K] (rows of 'x'), got ",
                  shape_str(ids.shape));
+  const bool int8 = x.dtype == I8;
+  if (int8 != in.x_scale.present)
+    fail_invalid(kOp, "input 'x_scale' must be given exactly when 'x' is int8 (its row scales), got x ",
+                 dtype_name(x.dtype), in.x_scale.present ? " with" : " without", " x_scale");
+  if (int8) {
+    require_dtype(kOp, "x_scale", in.x_scale, {F32});
+    require_shape(kOp, "x_scale", in.x_scale, {m});
+  }
   const int64_t total = m * k;
   if (total > INT32_MAX)  // sorted_to_flat is int32 (the contract)
     fail_unsupported(kOp, "M * K must be <= ", INT32_MAX, " (sorted_to_flat is int32), got ",
                      total);
-  return Dims{m, h, k, total};
+  return Dims{m, h, k, total, int8 ? 1 : x.dtype == F32 ? 4 : 2};
 }
 
 void check_expert_ids(const int32_t* id, const Dims& d, int64_t num_experts) {
@@ -52,7 +61,9 @@ const OpSignature& signature() {
   constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   constexpr auto I64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-  static const OpSignature sig{kOp, {{ANY}, {I32}}, {{ANY}, {I32}, {I64}}};
+  constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static const OpSignature sig{kOp, {{ANY}, {I32}, {F32, /*optional=*/true}},
+                               {{ANY}, {I32}, {I64}, {F32, /*optional=*/true}}};
   return sig;
 }
 

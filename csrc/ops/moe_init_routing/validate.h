@@ -18,11 +18,12 @@ inline constexpr const char* kOp = "MoeInitRouting";
 
 // The inputs in schema order.
 struct Inputs {
-  InputView x, expert_ids;
+  InputView x, expert_ids, x_scale;
 };
 
 struct Dims {
   int64_t M, H, K, total;  // total = M * K (<= INT32_MAX: sorted_to_flat is int32)
+  int64_t elem_bytes;      // of x: 4, 2 or 1 (int8, with x_scale)
 };
 
 // Reads attribute num_experts; it must be given and >= 1.
@@ -30,7 +31,8 @@ int64_t read_num_experts(const OrtKernelInfo* info);
 
 Inputs read_inputs(const Ort::KernelContext& ctx);
 
-// Checks both inputs' presence, dtype, rank and shape, and M * K; returns the dims.
+// Checks the inputs' presence, dtype, rank and shape (x_scale float32 [M] exactly when x is
+// int8), and M * K; returns the dims.
 Dims validate_inputs(const Inputs& in);
 
 // Checks the total ids at `id` (host memory, [M, K] row-major) are in [0, num_experts).
