@@ -8,11 +8,7 @@
 
 #include "cuda/cuda_info.h"
 
-#if defined(_WIN32)
-#define ORT_OPS_CUDA_EXPORT extern "C" __declspec(dllexport)
-#else
-#define ORT_OPS_CUDA_EXPORT extern "C" __attribute__((visibility("default")))
-#endif
+#include "cuda/export.h"
 
 namespace {
 

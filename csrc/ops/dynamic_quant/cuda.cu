@@ -9,11 +9,7 @@
 
 #include <algorithm>
 
-#if defined(_WIN32)
-#define ORT_OPS_CUDA_EXPORT extern "C" __declspec(dllexport)
-#else
-#define ORT_OPS_CUDA_EXPORT extern "C" __attribute__((visibility("default")))
-#endif
+#include "cuda/export.h"
 
 namespace ort_ops::dynamic_quant_cuda {
 namespace {

@@ -45,11 +45,7 @@
 #include <cstdint>
 #include <mutex>
 
-#if defined(_WIN32)
-#define ORT_OPS_CUDA_EXPORT extern "C" __declspec(dllexport)
-#else
-#define ORT_OPS_CUDA_EXPORT extern "C" __attribute__((visibility("default")))
-#endif
+#include "cuda/export.h"
 
 namespace ort_ops::gmsq_cuda {
 namespace {

@@ -94,7 +94,7 @@ struct Cfg {
   // misc: red_max[W][16], red_sum[W][16], m[2][16], l (16), lim (16 ints)
   static constexpr int bytes(bool fp16) { return misc_off(fp16) + (2 * W * kRows + 6 * kRows) * 4; }
 };
-static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= 233472, "three decode CTAs per SM (D 128, int8 P.V)");
+static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= kSm90SmemPerSm, "three decode CTAs per SM (D 128, int8 P.V)");
 
 struct Work {
   int s, h, ht, qtile, split;
@@ -582,8 +582,9 @@ struct WCfg {
   static constexpr int MISC = DW * RING;       // wm[DW][8], wl[DW][8], row_m[8], row_l[8]
   static constexpr int BYTES = MISC + (2 * DW * 8 + 16) * 4;
   static constexpr int OS = D + 8;             // float row stride of the merge buffer (aliases the ring)
-  // CTAs per SM by shared memory (228 KB, 1 KB reserved per CTA), at most 3 (registers).
-  static constexpr int FIT = 233472 / (BYTES + 1024);
+  // CTAs per SM by shared memory on sm_90 (1 KB reserved per CTA), at most 3 (registers): the
+  // launch-bound hint; the split model uses the device's own shared memory (warp_decode_ctas_per_sm).
+  static constexpr int FIT = kSm90SmemPerSm / (BYTES + 1024);
   static constexpr int MIN_BLOCKS = FIT < 1 ? 1 : (FIT > 3 ? 3 : FIT);
   static_assert(8 * OS * 4 <= RING, "merge buffer fits the warp's ring");
 };
@@ -1091,36 +1092,34 @@ int sm_major() {  // of the current device, cached per device
   return major[dev];
 }
 
-int sm_count() {  // of the current device, cached per device; 1 if it cannot be asked
-  static int count[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
-  if (count[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) return 1;
-    count[dev] = n;
-  }
-  return count[dev];
+
+
+// CTAs of `bytes` of shared memory that fit on one SM of `smem_per_sm` (1 KB reserved per CTA),
+// at most `by_regs` (the launch bound), at least 1.
+int fit_per_sm(int by_regs, int bytes, int smem_per_sm) {
+  return std::max(1, std::min(by_regs, smem_per_sm / (bytes + 1024)));
 }
 
 template <int D>
-int resident_ctas(bool rows16, bool fp16_codes) {  // per SM: shared memory and launch bounds
+int resident_ctas(bool rows16, bool fp16_codes, int smem_per_sm) {  // per SM: shared memory and launch bounds
   const int bytes = rows16 ? Cfg<D, 16>::bytes(fp16_codes) : Cfg<D, 8>::bytes(fp16_codes);
   const int by_regs = rows16 ? Cfg<D, 16>::MIN_BLOCKS : Cfg<D, 8>::MIN_BLOCKS;
-  return std::max(1, std::min(by_regs, 233472 / (bytes + 1024)));
+  return fit_per_sm(by_regs, bytes, smem_per_sm);
 }
 
-int resident_ctas(int head_dim, bool rows16, bool fp16_codes) {
+int resident_ctas(int head_dim, bool rows16, bool fp16_codes, int smem_per_sm) {
   switch (head_dim) {
-    case 64: return resident_ctas<64>(rows16, fp16_codes);
-    case 128: return resident_ctas<128>(rows16, fp16_codes);
-    default: return resident_ctas<256>(rows16, fp16_codes);
+    case 64: return resident_ctas<64>(rows16, fp16_codes, smem_per_sm);
+    case 128: return resident_ctas<128>(rows16, fp16_codes, smem_per_sm);
+    default: return resident_ctas<256>(rows16, fp16_codes, smem_per_sm);
   }
 }
 
-int warp_decode_ctas_per_sm(int head_dim) {
-  return head_dim <= 64 ? WCfg<64, WarpShape<64>::DW, WarpShape<64>::NS>::MIN_BLOCKS
-                        : WCfg<128, WarpShape<128>::DW, WarpShape<128>::NS>::MIN_BLOCKS;
+int warp_decode_ctas_per_sm(int head_dim, int smem_per_sm) {
+  using C64 = WCfg<64, WarpShape<64>::DW, WarpShape<64>::NS>;
+  using C128 = WCfg<128, WarpShape<128>::DW, WarpShape<128>::NS>;
+  return head_dim <= 64 ? fit_per_sm(C64::MIN_BLOCKS, C64::BYTES, smem_per_sm)
+                        : fit_per_sm(C128::MIN_BLOCKS, C128::BYTES, smem_per_sm);
 }
 
 // Decode launches (no cu_seqlens_q, or decode_with_cu) with G <= 8 and D 64 / 128 run
@@ -1134,7 +1133,7 @@ bool use_warp_decode(const PagedAttentionParams& p) {
   return (p.cu_seqlens_q == nullptr || p.decode_with_cu) && warp_decode_shape(p);
 }
 
-TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
+TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode, const DeviceLimits& lim) {
   TileShape ts;
   const int G = p.num_heads / p.num_kv_heads;
   // Prefill shapes of cuda_prefill.cu (D 64 / 128, G in {1, 2, 4, 8}, max_q_len * G >= 32): 64 rows a
@@ -1157,10 +1156,11 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode) {
     // 290.8 us at 4k / 8k / 16k against 78.3 / 145.5 / 281.2 unsplit; with two it keeps one split
     // there and picks 32 splits at batch 1 / 8k and 16k (14.5 / 19.2 us against 16.1 / 21.7 with
     // 16) and 16 at 4k (all 16 partitions), the best of each sweep.
-    const int per_sm = warp_decode ? std::min(2, warp_decode_ctas_per_sm(p.head_dim))
-                       : prefill   ? paged_attention_prefill_ctas_per_sm(p.head_dim)
-                                   : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone);
-    const int64_t conc = static_cast<int64_t>(sm_count()) * per_sm;
+    const int per_sm = warp_decode ? std::min(2, warp_decode_ctas_per_sm(p.head_dim, lim.smem_per_sm))
+                       : prefill   ? paged_attention_prefill_ctas_per_sm(p.head_dim, lim.smem_per_sm)
+                                   : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone,
+                                                   lim.smem_per_sm);
+    const int64_t conc = static_cast<int64_t>(lim.sms) * per_sm;
     const int64_t base = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * ts.n_ht * ts.n_qt;
     int64_t best_cost = -1;
     for (int ns = 1; ns <= nparts; ++ns) {
@@ -1270,8 +1270,26 @@ const char* paged_attention_unsupported(const PagedAttentionParams& p) {
   return nullptr;
 }
 
+DeviceLimits current_device_limits() {
+  static DeviceLimits cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return DeviceLimits{};
+  if (cache[dev].smem_per_sm == 0) {
+    int sms = 0, smem = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess || sms < 1)
+      return DeviceLimits{};
+    cache[dev] = DeviceLimits{sms, smem};
+  }
+  return cache[dev];
+}
+
 int paged_attention_num_splits(const PagedAttentionParams& p) {
-  return tile_shape(p, use_warp_decode(p)).nsplit;
+  return tile_shape(p, use_warp_decode(p), current_device_limits()).nsplit;
+}
+
+int paged_attention_num_splits(const PagedAttentionParams& p, const DeviceLimits& lim) {
+  return tile_shape(p, use_warp_decode(p), lim).nsplit;
 }
 
 bool paged_attention_decode_kernel_applies(const PagedAttentionParams& p) { return warp_decode_shape(p); }
@@ -1282,8 +1300,9 @@ size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
     const size_t rows = static_cast<size_t>(p.num_tokens) * p.num_heads * ts.nsplit;
     return rows * p.head_dim * sizeof(float) + rows * 2 * sizeof(float);
   };
-  const size_t general = bytes(tile_shape(p, false));
-  return warp_decode_shape(p) ? std::max(general, bytes(tile_shape(p, true))) : general;
+  const DeviceLimits lim = current_device_limits();
+  const size_t general = bytes(tile_shape(p, false, lim));
+  return warp_decode_shape(p) ? std::max(general, bytes(tile_shape(p, true, lim))) : general;
 }
 
 cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStream_t stream) {
@@ -1291,7 +1310,7 @@ cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStrea
   // question before it has allocated the word (the first real CUDA-EP session found this).
   if (paged_attention_unsupported(p) != nullptr || p.status == nullptr) return cudaErrorInvalidValue;
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
-  const TileShape ts = tile_shape(p, use_warp_decode(p));
+  const TileShape ts = tile_shape(p, use_warp_decode(p), current_device_limits());
   if (ts.nsplit > 1 && p.workspace == nullptr) return cudaErrorInvalidValue;
   PagedAttentionParams q = p;
   q.log2_block_size = 0;

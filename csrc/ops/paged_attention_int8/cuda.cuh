@@ -71,6 +71,20 @@ struct PagedAttentionParams {
   bool decode_with_cu = false;
 };
 
+// What the split model needs to know of a GPU: its SM count and shared memory per SM.
+struct DeviceLimits {
+  int sms = 1;
+  int smem_per_sm = 0;
+};
+
+// The current device's limits (cudaDeviceGetAttribute, cached per device); {1, 0} when the
+// device cannot be asked (launches then fail on their own).
+DeviceLimits current_device_limits();
+
+// The number of key splits a launch with these parameters would use on a GPU with `lim` (the
+// launch arithmetic without a GPU: tests check it for other GPUs' limits).
+int paged_attention_num_splits(const PagedAttentionParams& p, const DeviceLimits& lim);
+
 // Whether decode_with_cu takes effect for these parameters (the decode kernel's shapes: T == S,
 // max_q_len 1, G <= 8, D 64 or 128); when false the launch ignores it.
 bool paged_attention_decode_kernel_applies(const PagedAttentionParams& p);

@@ -8,7 +8,7 @@
 #include "ops/paged_attention_int8/cuda.cuh"
 #include "ops/quantize_kv_cache/cuda.cuh"
 
-#define ORT_OPS_CUDA_EXPORT extern "C" __attribute__((visibility("default")))
+#include "cuda/export.h"
 
 namespace {
 
@@ -61,6 +61,18 @@ ORT_OPS_CUDA_EXPORT long long ort_ops_cuda_paged_attention_int8_workspace(const 
   if (ort_ops::paged_attention_unsupported(p) != nullptr) return -1;
   if (nsplit_out) *nsplit_out = ort_ops::paged_attention_num_splits(p);
   return static_cast<long long>(ort_ops::paged_attention_workspace_bytes(p));
+}
+
+// The split count a launch with these dims would use on a GPU with `sms` SMs of `smem_per_sm`
+// bytes of shared memory each (-1: unsupported dims). Needs no GPU.
+ORT_OPS_CUDA_EXPORT int ort_ops_cuda_paged_attention_int8_plan(const int* dims, int partition_size, int sms,
+                                                               int smem_per_sm) {
+  int one = 0;
+  ort_ops::PagedAttentionParams p =
+      pa_params(nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, dims, 1.0f, 1,
+                partition_size, 0, nullptr, &one);
+  if (ort_ops::paged_attention_unsupported(p) != nullptr || sms < 1 || smem_per_sm < 1) return -1;
+  return ort_ops::paged_attention_num_splits(p, ort_ops::DeviceLimits{sms, smem_per_sm});
 }
 
 ORT_OPS_CUDA_EXPORT int ort_ops_cuda_paged_attention_int8(

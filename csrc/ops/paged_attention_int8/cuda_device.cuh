@@ -9,63 +9,28 @@
 
 #include <cstdint>
 
+#include "cuda/ptx.cuh"
 #include "ops/paged_attention_int8/cuda.cuh"
 
 namespace ort_ops {
+
+// Shared memory per SM on sm_90 (228 KB). Only the kernels' compile-time launch-bound hints are
+// checked against it; the launch arithmetic asks the device (DeviceLimits in cuda.cuh).
+inline constexpr int kSm90SmemPerSm = 233472;
+
 namespace {
 
+// cp.async and the mma.sync wrappers: csrc/cuda/ptx.cuh.
+using ptx::cp_async_commit;
+using ptx::cp_async_wait;
+using ptx::mma_f16;
+using ptx::mma_i8;
 // 16-byte cp.async to a shared-memory address already converted (the warp decode loop keeps them).
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* gmem, bool valid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
-#endif
+  ptx::cp_async16(dst, gmem, valid);
 }
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  cp_async16_s(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, valid);
-}
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-#endif
-}
-
-// ---- tensor-core wrappers ----
-template <bool kU8>
-__device__ __forceinline__ void mma_i8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kU8) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-#endif
-}
-
-__device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
+  ptx::cp_async16(ptx::smem_addr(smem), gmem, valid);
 }
 
 // Four int8 codes -> two half2 (bytes 0,1 and 2,3), exactly: (b + 128) | 0x6400 is the half

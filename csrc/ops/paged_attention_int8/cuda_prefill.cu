@@ -61,6 +61,7 @@
 // the float twin executes 1.38x as many (V to fp16, the W / max divisions, twice the MMAs).
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -89,9 +90,9 @@ struct PCfg {
   static constexpr int SV_OFF = SK_OFF + kPfKeys * 4;
   static constexpr int STAGE = SV_OFF + kPfKeys * 4;
   static constexpr int BYTES = NS * STAGE;
-  // CTAs per SM: registers (launch bound) and shared memory (228 KB, 1 KB reserved per CTA).
+  // CTAs per SM: registers (launch bound) and shared memory (1 KB reserved per CTA) on sm_90.
   static constexpr int MIN_BLOCKS = D <= 64 ? 3 : 2;
-  static_assert(MIN_BLOCKS * (BYTES + 1024) <= 233472, "resident prefill CTAs fit in shared memory");
+  static_assert(MIN_BLOCKS * (BYTES + 1024) <= kSm90SmemPerSm, "resident prefill CTAs fit in shared memory");
 };
 
 // m16n8k32 s8/u8 x s8 with the accumulator input C given separately (here: the magic constant).
@@ -567,8 +568,9 @@ bool paged_attention_prefill_applies(const PagedAttentionParams& p) {
   return static_cast<int64_t>(p.max_q_len) * G >= 32;
 }
 
-int paged_attention_prefill_ctas_per_sm(int head_dim) {
-  return head_dim <= 64 ? PCfg<64>::MIN_BLOCKS : PCfg<128>::MIN_BLOCKS;
+int paged_attention_prefill_ctas_per_sm(int head_dim, int smem_per_sm) {
+  auto fit = [&](int by_regs, int bytes) { return std::max(1, std::min(by_regs, smem_per_sm / (bytes + 1024))); };
+  return head_dim <= 64 ? fit(PCfg<64>::MIN_BLOCKS, PCfg<64>::BYTES) : fit(PCfg<128>::MIN_BLOCKS, PCfg<128>::BYTES);
 }
 
 cudaError_t launch_paged_attention_prefill(const PagedAttentionParams& p, const PrefillTiling& t, cudaStream_t stream) {

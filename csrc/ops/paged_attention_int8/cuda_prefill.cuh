@@ -18,7 +18,7 @@ constexpr int kPrefillRows = 64;  // (query, q head) rows of one prefill CTA: 64
 bool paged_attention_prefill_applies(const PagedAttentionParams& p);
 
 // Prefill CTAs resident per SM (the split model in cuda.cu's tile_shape uses it).
-int paged_attention_prefill_ctas_per_sm(int head_dim);
+int paged_attention_prefill_ctas_per_sm(int head_dim, int smem_per_sm);
 
 // The launch's tiling as cuda.cu's tile_shape chose it: n_qt row tiles of qpt queries (x G heads)
 // per sequence and kv head, nsplit key splits of ppc partitions each (workspace and merge as for
