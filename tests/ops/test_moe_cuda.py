@@ -715,6 +715,12 @@ def test_routing_cuda_ep_sessions(cuda_ep_session, rng):
     (out,) = sess.run(None, feeds)
     assert _providers_of(sess, "MoeFinalizeRouting") == {"CUDAExecutionProvider"}
     np.testing.assert_array_equal(out, reference.moe_finalize_routing(eo, s2f, tw, res))
+    # The 4-column path (H % 4 == 0) with float16 expert rows, and the per-element path (odd H).
+    for hh, eo_dtype in ((64, np.float16), (37, np.float32)):
+        f2 = {"expert_out": rng.standard_normal((m * k, hh)).astype(eo_dtype), "sorted_to_flat": s2f,
+              "topk_weights": tw, "residual": rng.standard_normal((m, hh)).astype(np.float32)}
+        (o2,) = cuda_ep_session(f2, schema=fin_mod.SCHEMA).run(None, f2)
+        np.testing.assert_array_equal(o2, reference.moe_finalize_routing(*f2.values()))
     bad = dict(feeds, sorted_to_flat=np.zeros(m * k, np.int32))
     (out,) = assert_reported_both_ways(sess, bad, feeds,
                                        r"MoeFinalizeRouting: input 'sorted_to_flat' must be a permutation of \[0, 80\)")

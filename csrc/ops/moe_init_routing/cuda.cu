@@ -71,6 +71,16 @@ __global__ void gather_kernel(const W* x, const int32_t* order, W* out, int64_t 
   }
 }
 
+// Rows of a multiple of 16 bytes: a CTA per sorted row (grid-stride), 16-byte copies.
+__global__ void gather_rows16_kernel(const uint4* x, const int32_t* order, uint4* out, int64_t total, int64_t k,
+                                     int64_t chunks) {
+  for (int64_t i = blockIdx.x; i < total; i += gridDim.x) {
+    const uint4* src = x + (order[i] / k) * chunks;
+    uint4* dst = out + i * chunks;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) dst[c] = src[c];
+  }
+}
+
 // sorted_x_scale[i] = x_scale[order[i] / k]: the row scales of int8 x follow their rows.
 __global__ void gather_scale_kernel(const float* x_scale, const int32_t* order, float* out, int64_t total,
                                     int64_t k) {
@@ -116,7 +126,14 @@ cudaError_t launch_moe_init(const void* x, int elem_bytes, const int32_t* expert
   ends_kernel<<<blocks_for(e), 256, 0, stream>>>(keys_out, total, group_list, e);
   if ((err_c = cudaGetLastError()) != cudaSuccess) return err_c;
   const int64_t row_bytes = h * elem_bytes;
-  if (total > 0 && row_bytes > 0) {
+  const bool aligned16 = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(sorted_x) % 16 == 0;
+  if (total > 0 && row_bytes > 0 && row_bytes % 16 == 0 && aligned16) {
+    const int64_t chunks = row_bytes / 16;
+    const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, (chunks + 31) / 32 * 32)));
+    gather_rows16_kernel<<<static_cast<unsigned>(std::min<int64_t>(total, 65535)), threads, 0, stream>>>(
+        static_cast<const uint4*>(x), sorted_to_flat, static_cast<uint4*>(sorted_x), total, k, chunks);
+    err_c = cudaGetLastError();
+  } else if (total > 0 && row_bytes > 0) {
     if (row_bytes % 4 == 0)
       gather_kernel<<<blocks_for(total * (row_bytes / 4)), 256, 0, stream>>>(
           static_cast<const uint32_t*>(x), sorted_to_flat, static_cast<uint32_t*>(sorted_x), total,
