@@ -553,9 +553,9 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t n, int64_t e) {
 namespace {
 
 // Rows per expert on average: few rows make the op a weight stream (small BM); many rows make
-// it a GEMM (BM 128 reuses each B tile 128 times). Thresholds from the H200 runs of
-// benchmarks/bench_moe_cuda.py (bm16w best up to 32 rows per expert, bm64 at 64, bm128 at
-// 1024); the k-split variants (bm16, bm32) never won. For weight_layout 2, bm128 means the
+// it a GEMM (BM 128 reuses each B tile 128 times). Thresholds from benchmarks/bench_moe_cuda.py
+// (bm16w best up to 32 rows per expert, bm64 at 64, bm128 at 1024); the k-split variants (bm16,
+// bm32) never won. For weight_layout 2, bm128 means the
 // wgmma kernel (128-row tiles).
 int auto_config(int64_t m, int64_t e) {
   const int64_t avg = e > 0 ? m / e : m;
@@ -563,13 +563,9 @@ int auto_config(int64_t m, int64_t e) {
 }
 
 // Auto at decode (<= 4 rows an expert on average: one row block an expert, mostly): the stream
-// pair (cuda_stream.cuh; on weight_layout 2 its K-major stream). H200 (NOTES_moe_cuda.md), each
-// launch timed interleaved with the others (cold instruction caches, as between a model's
-// layers), session 7, once the tile-map loops stopped being unrolled (~1000 instructions of cold
-// code less in each kernel): 8e T=16 stream 23.55 vs bm16w 25.41 us, K-major 26.69 vs 28.59;
-// 64e T=16 stream 89.0 vs bm16w 106.2, K-major 101.2 vs 149 (session 6). Before that change the
-// stream lost at 8 experts (25.8 vs 25.4) and auto kept bm16w there. 64e T=64 (8 rows an
-// expert): 123 vs 112 (session 5), hence the 4.
+// pair (cuda_stream.cuh; on weight_layout 2 its K-major stream), which beats bm16w there at 8 and
+// 64 experts when timed with cold instruction caches, as between a model's layers; at 8 rows an
+// expert bm16w wins again, hence the 4 (benchmarks/NOTES_moe_cuda.md).
 constexpr int64_t kStreamMaxAvgRows = 4;
 bool auto_stream(const GmsqParams& p) {
   return p.config == kGmsqAuto && (p.weight_layout == 0 || p.weight_layout == kGmsqLayoutKMajor) &&
@@ -629,9 +625,8 @@ cudaError_t launch_mode(const GmsqParams& p, cudaStream_t stream) {
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream) {
   // weight_layout 2 ([E, N, K], K-major): the Hopper wgmma kernel (cuda_wgmma.cu) for bm128
   // (auto: at least 32 rows an expert on average), else this kernel's K-major B path. The
-  // threshold is the H200's same-run table (NOTES_moe_cuda.md, helper I): the ping-pong wgmma
-  // kernel beats bm16w at 32 rows an expert (64e T=256: 161 vs 197 us) and ties bm64 at 64
-  // (8e T=256: 36.9 vs 36.2 us); bm16w wins at 2-4 rows (T=16). Off Hopper the wgmma kernel
+  // threshold is where the ping-pong wgmma kernel starts to beat bm16w (it ties bm64 at 64 rows;
+  // bm16w wins at 2-4 rows; benchmarks/NOTES_moe_cuda.md). Off Hopper the wgmma kernel
   // refuses before enqueuing anything and the layout-0 rule picks this kernel's config instead
   // (bm64, its largest K-major tile, above 32 rows), so an 'ENK' model runs on any sm_80+ GPU.
   if (p.weight_layout == kGmsqLayoutKMajor &&

@@ -35,12 +35,10 @@
 // tile, 4x4 byte transposes into m16n8k32 B registers, so lane (g, t) of warp w holds physical
 // columns 8t..8t+7 of the warp's 32-column quads q * 128 + 32 w (q = 0, 1) of the unit.
 //
-// Tuning on the H200 (NOTES_moe_cuda.md, session 5), 64 experts at 16 tokens: 3 CTAs of 4 warps
-// an SM with a 4-slot ring beat 2 CTAs with 6 slots by 2 % (same-run medians 93.5 vs 95.4 us), which
-// beat 5 slots and 8 k chunks a tile by 1.5 %; 512-column units on 8-warp CTAs (one an SM) were 6 %
-// slower, the epilogue as a plain launch (no PDL) 1.5 % slower; the epilogue's work before its
-// wait (owners, scale prefetch) gained 1.7 % (93.9 -> 92.3 us); 4 CTAs with 3 slots did not
-// (92.7). More CTAs an SM, not longer contiguous runs, is what the stream wants.
+// Shape: 3 CTAs of 4 warps an SM with a 4-slot ring, the best of the shapes swept (fewer CTAs
+// with deeper rings, 512-column units on one 8-warp CTA an SM, 4 CTAs with 3 slots); the epilogue
+// is a programmatic dependent launch that does its owner and scale work before its wait. More
+// CTAs an SM, not longer contiguous runs, is what the stream wants (benchmarks/NOTES_moe_cuda.md).
 #include "ops/grouped_matmul_swiglu_quant/cuda_stream.cuh"
 
 #include <cuda_runtime.h>
@@ -82,11 +80,9 @@ constexpr int kMaxK = 131071;             // as cuda.cu: exact int32 sums
 // The K-major stream (weight_layout 2, [E, N, K]; gmsq_stream_km_kernel): a tile is 16 rows x
 // kKmCols GEMM columns x all of K, whose weight bytes are one contiguous run (kKmCols K-byte
 // columns); its units are single 64-deep k steps, and each warp streams its own unit range.
-// H200, 64 experts / 8 experts at 16 tokens, same-run medians (NOTES_moe_cuda.md, session 6):
-// this shape (16 columns, 4 steps in registers, 2 CTAs of 8 warps an SM) 102.8 / 26.7 us; 32
-// columns on 12 warps 107.5 / 28.5; 32 columns with 3 steps (spills) 121.6 / 30.0; without the
-// L2::256B hint 108 us at 64e (DRAM 66 % busy against 78 %); an L2 prefetch 8-32 steps ahead
-// 123-164 us (more DRAM traffic); a cp.async.bulk ring of 1 KB column runs 110.5 / 28.6.
+// This shape (16 columns, 4 steps in registers, 2 CTAs of 8 warps an SM) and the L2::256B hint
+// won over 32-column tiles, fewer steps, L2 prefetches ahead and a cp.async.bulk ring of column
+// runs (benchmarks/NOTES_moe_cuda.md).
 constexpr int kKmCols = 16;               // GEMM columns of a tile: two n8 MMA tiles
 constexpr int kKmNt = kKmCols / 8;
 constexpr int kKmWarps = 8;
@@ -360,12 +356,10 @@ struct KmStep {
 // are taken exactly once (t covers 16-byte quarters, h the halves of each). Checked against the
 // m16n8k32 table by tests/ops/test_moe_kmajor_cuda.py (test_kmajor_stream_fragments_*).
 //
-// Why it is slower than the [E, K, N] stream (H200, 64e T=16: 103 vs 91 us, ncu): its warps wait
-// on DRAM (long-scoreboard stalls 5.8 an issue, DRAM 78 % busy against 81 %): 64 KB a SM in
-// flight in registers against the cp.async ring's ~150 KB. Auto runs it where the [E, K, N]
-// stream runs (up to 4 rows an expert): there it replaces the tiled K-major kernel (64e T=16:
-// 104 against 149 us; 8e 26.7 against 28.6), so a model packed "ENK" for prefill decodes
-// 13-17 % behind "EKN" at 64 experts (64 % before).
+// Why it is slower than the [E, K, N] stream: its warps wait on DRAM, with 64 KB an SM in flight
+// in registers against the cp.async ring's ~150 KB. Auto runs it where the [E, K, N] stream runs
+// (up to 4 rows an expert), where it beats the tiled K-major kernel, so a model packed "ENK" for
+// prefill still decodes close to "EKN" (benchmarks/NOTES_moe_cuda.md).
 __global__ void __launch_bounds__(kKmThreads, kKmMinCtas)
     gmsq_stream_km_kernel(const GmsqParams p, const StreamShape sh) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -536,8 +530,8 @@ __device__ __forceinline__ void row_sums(const GmsqParams& p, const int* c0_s, c
 
 // One CTA a row; each thread owns pairs of output columns (2 j, 2 j + 1), so a row's work is
 // spread over up to 1024 threads: the tail after the stream is one L2 round trip, one SwiGLU
-// and one block max deep (an earlier version, 8 columns a thread on 256 threads with the
-// owner arithmetic in every thread, ran 5-7 us after the stream on the H200).
+// and one block max deep (fewer threads, each with more columns and its own owner arithmetic,
+// left a tail several microseconds long).
 // Dynamic shared memory: s_out (N/2 floats, the SwiGLU mode only), then the owners c0_s and
 // extra_s of the row block's column tiles (sh.col_tiles ints each).
 template <bool DEQUANT, int TC>

@@ -10,8 +10,8 @@
 // the two consumer warpgroups owns a tile of 128 rows x 64 outputs (two wgmma.m64n128k32 per
 // 32 k, 32 KB a k step, 6 stages) and they take the CTA's row blocks in turn, their main loops
 // strictly alternating (an order mbarrier each), so one warpgroup's epilogue (SwiGLU, row max,
-// handshake, codes) runs while the other's wgmmas keep the tensor pipe busy. H200, same run:
-// 8e T=4096 160 -> 153 us, 64e T=4096 631-658 -> 592-606 us, T=256 -16 to -18 %.
+// handshake, codes) runs while the other's wgmmas keep the tensor pipe busy (faster than the
+// cooperative kernel wherever it applies; benchmarks/NOTES_moe_cuda.md).
 //
 // Cooperative (gmsq_wgmma_kernel, wider outputs): tile 128 rows x 128 outputs = 256 GEMM columns
 // (128 gate | 128 up); warpgroups 1 and 2 each issue wgmma.m64n256k32 on 64 rows of the same
@@ -50,9 +50,9 @@ constexpr int kWgMaxK = 131071;  // as cuda.cu: exact int32 accumulation
 
 // The tile: two consumer warpgroups of 64 rows (BM = 128), 128-deep k steps (one 128-byte
 // swizzle row per operand row) in a 4-stage ring, and the producer warpgroup, whose registers
-// setmaxnreg moves to the consumers. (Measured on the H200 and dropped: 64-deep k steps with the
-// 64-byte swizzle in 8 stages, 3 % slower; no producer warpgroup, consumer thread 0 issuing the
-// loads between its k steps, 50 % slower.)
+// setmaxnreg moves to the consumers. (Measured and dropped: 64-deep k steps with the 64-byte
+// swizzle in 8 stages, and no producer warpgroup, consumer thread 0 issuing the loads between
+// its k steps: both slower; benchmarks/NOTES_moe_cuda.md.)
 struct WgCfg {
   static constexpr int kCWG = 2;                       // consumer warpgroups
   static constexpr int kBM = 64 * kCWG;
@@ -744,7 +744,7 @@ cudaError_t launch_tiles(const GmsqParams& p, int device, cudaStream_t stream) {
   const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
   // The ping-pong kernel needs ceil(N/2 / 64) co-resident CTAs for a row block's row max; wider
-  // outputs (N/2 > 64 SMs: 8448 on an H200, e.g. an intermediate size of 14336) take the
+  // outputs (N/2 > 64 x the SM count, e.g. an intermediate size of 14336 on 132 SMs) take the
   // cooperative kernel's 128-column tiles (up to 128 SMs of outputs).
   if ((p.n / 2 + WgPPCfg::kBNh - 1) / WgPPCfg::kBNh <= sms)
     return launch_kernel<WgPPCfg>(gmsq_wgmma_pp_kernel, WgPPCfg::kBNh, WgPPCfg::kBNh, p, sms, stream);

@@ -79,11 +79,8 @@ __device__ __forceinline__ void build_tile_map(const int64_t* group_list, int gr
   const int e0 = min(E, lane * per);
   const int e1 = min(E, e0 + per);
   // The loops below are not unrolled. Code size is time here: every kernel runs this map first,
-  // from instructions that are cold between a model's layers, and the unrolled loops were ~1000
-  // instructions of each kernel (H200, NOTES_moe_cuda.md, session 7: the 8-expert decode pair
-  // 26.1 -> 23.6 us with them rolled up; a variant loading four entries at a time, for fewer
-  // round trips at 64+ experts, gained 1.0 us against the same base in another run, and 64
-  // experts did not gain from it: dropped).
+  // from instructions that are cold between a model's layers, and unrolled these loops were
+  // about a thousand instructions of each kernel (benchmarks/NOTES_moe_cuda.md).
   bool bad = false;
   int64_t run = 0;  // lane-local running sum (counts) or max (ends)
 #pragma unroll 1

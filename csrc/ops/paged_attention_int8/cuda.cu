@@ -65,9 +65,9 @@ static_assert(kPvSwapXor == 2 && pa_fragment::kGroupTokens == 32 && pa_fragment:
 // per-token scales; nothing is widened on the way.
 template <int D, int R>
 struct Cfg {
-  // Warps per CTA and keys per stage. Measured on the H200 (batch 32 / 16k, D 128): 2 CTAs of
-  // 8 warps with 128-key stages per SM 432 us; 1 CTA of 16 warps with 256-key stages 517 us
-  // (while one CTA waits at a barrier, the others issue: more resident CTAs win). R = rows of
+  // Warps per CTA and keys per stage: 8 warps with 128-key stages, so that two or three CTAs are
+  // resident per SM (while one CTA waits at a barrier, the others issue: more resident CTAs beat
+  // one CTA of 16 warps with longer stages; benchmarks/NOTES_attention_cuda.md). R = rows of
   // the row tile (8 for decode with G <= 8, else 16) sizes the score/code buffers, so that a
   // decode CTA fits three to an SM (<= 76 KB of shared memory, <= 85 registers).
   static constexpr int W = 8;
@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
   }
 }
 
-// ---- decode with warp-independent key ranges (v7) ----
+// ---- decode with warp-independent key ranges ----
 // One CTA (DW warps) = one sequence x one kv head x one split of the keys, as above, but each
 // warp owns every DW-th 32-key stage of the split: its own cp.async ring of NS stages in a
 // private slice of shared memory, its own online-softmax state (m, l and O in registers), and
@@ -560,14 +560,11 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
 // whole 64-byte rows into a [D][64] slot (each warp copies half of the D rows, both halves of the
 // keys), each warp still computing only its own 32 keys; a named barrier per stage pairs them.
 // Why: a cp.async instruction becomes one L2 request per piece of a 128-byte line that is
-// contiguous in global AND shared memory. The per-warp [D][32] slot split every 64-byte V row of
-// a block-64 cache into two 32-byte pieces (or four, block 128), wherever they came from: ncu at
-// batch 32 / 16k, block 64: 28.1 M L2 requests and 40.0 M tag lookups against 15.5 M / 25.4 M at
-// block 32, the same 1.11 GB from DRAM; whole-row global reads into split 32-byte slots (a first
-// try) left them at 28.1 M. With the [D][64] slot: 15.5 M / 25.3 M, DRAM 81 -> 91 % busy, H200
-// 281.4 -> 256.5 us (32/16k), 77.6 -> 70.4 (32/4k), block 128 291.5 -> 274.3 us, one run.
-// Measured alternatives (H200, 32/16k, block 64): 64-key stages with 2 warps per CTA (each V row
-// of a block read in one piece) 372 us against 298 (v7: half the warps per SM hide less latency).
+// contiguous in global AND shared memory. A per-warp [D][32] slot splits every 64-byte V row of a
+// block-64 cache into two 32-byte pieces (four at block 128), nearly doubling the L2 requests for
+// the same DRAM bytes; the shared [D][64] slot keeps each row one piece. (Two warps per CTA with
+// 64-key stages would also read whole rows, but hide too little latency; the measurements are in
+// benchmarks/NOTES_attention_cuda.md.)
 template <int D, int DW_, int NS_>
 struct WCfg {
   static constexpr int DW = DW_;               // warps per CTA
@@ -589,11 +586,8 @@ struct WCfg {
   static_assert(8 * OS * 4 <= RING, "merge buffer fits the warp's ring");
 };
 // The warp-decode shape a head dim runs (warps per CTA, ring slots per warp). D 128: 4 warps with
-// 2-slot rings, three CTAs (12 warps) per SM. Measured on the H200 in one run (32 q / 8 kv heads,
-// block 64, us; 4 x 3 = the v7 shape, two CTAs per SM): batch 32 at 4k / 8k / 16k 78.3 / 145.5 /
-// 281.2 (4 x 3: 80.4 / 147.8 / 285.5; 6 x 2: 77.9 / 146.9 / 282.0); batch 1 with the best split
-// count 11.9-12.3 / 14.5 / 19.2 (4 x 3: 12.5 / 15.7 / 20.7; 6 x 2: 12.7 / 15.0 / 19.3;
-// 12 x 2 and 8 x 3, one CTA per SM: 20.9 / 21.1 at 16k). D 64 keeps 4 x 3 (three CTAs fit).
+// 2-slot rings, so three CTAs (12 warps) fit an SM; the best of the shapes swept (4 x 3, 6 x 2,
+// 12 x 2, 8 x 3; benchmarks/NOTES_attention_cuda.md). D 64 keeps 4 x 3 (three CTAs fit).
 template <int D>
 struct WarpShape {
   static constexpr int DW = 4;
@@ -661,9 +655,8 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int k_lo = split * ts.ppc * partition;
   const int k_max = min(k_lo + ts.ppc * partition, p.max_blocks * B);  // the split's keys if seq_len allows
 
-  // This warp's stages: every DW-th 32-key stage of the split. (Pairs of consecutive stages per
-  // warp, so that one warp reads both halves of a 64-key block's V rows back to back, measured
-  // the same on the H200: 297 us at 32/16k either way for v7, 304 vs 303 us for v8.)
+  // This warp's stages: every DW-th 32-key stage of the split. (Giving a warp pairs of consecutive
+  // stages, both halves of a 64-key block's V rows, measured no faster.)
   auto kp0_of = [&](int li) { return k_lo + 32 * (warp + DW * li); };
   // VROWS: warps 2p and 2p+1 share 64-key stage p + (DW / 2) li (so each still owns its kp0_of).
   auto kpp_of = [&](int li) { return k_lo + 64 * ((warp >> 1) + (DW / 2) * li); };
@@ -711,10 +704,10 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   // Per-lane source offsets and shared-memory destinations are fixed for the whole loop; a stage
   // only adds its block's base (one 64-bit multiply per half) and the key offset in the block, so
   // that the chunks of a half are one base plus immediate offsets. A half whose block is not
-  // valid reads block 0 with source size 0 (zero fill, nothing read). With the lazy rescaling
-  // below this took the loop from ~910 to ~660 SASS instructions a stage (sm_90a, D 128, s8): the
-  // v7 loop was bound by its own instruction latency (ncu at 32/16k: 0.45 instructions a cycle
-  // per scheduler at 1.9 warps, DRAM 78 % busy; now DRAM 81-82 %).
+  // valid reads block 0 with source size 0 (zero fill, nothing read). Keeping the per-stage
+  // address arithmetic this small matters: with few warps per scheduler the loop is bound by its
+  // own instruction latency, not by memory, once it issues more than a few hundred instructions
+  // a stage.
   const int blk_stride = Hkv * B * D;  // bytes per cache block (K or V): one block's K fits an int
   const int kkey = lane / KPR, kpart = lane % KPR;  // K chunk i: key kkey + (32 / KPR) i
   const int vd = lane >> 1, vhalf = lane & 1;       // V chunk i: row vd + 16 i, keys 16 vhalf ..
@@ -1149,15 +1142,12 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode, const Devi
   const int nparts = std::max(1, (p.max_context + partition - 1) / partition);
   int nsplit = p.num_splits;
   if (nsplit <= 0) {
-    // Pick the split count by a wave model: CTAs resident at once (shared memory bound, 228 KB
-    // per SM), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys). Fewer splits
-    // win ties: each extra split costs a partial-output write and read plus the merge.
-    // Warp decode: modelled as two CTAs per SM although three fit (WarpShape): two already
-    // saturate memory, so a third resident CTA adds no throughput. Measured on the H200 (32 q /
-    // 8 kv heads, block 64): with three per SM the model split batch 32 three ways, 85.9 / 152.1 /
-    // 290.8 us at 4k / 8k / 16k against 78.3 / 145.5 / 281.2 unsplit; with two it keeps one split
-    // there and picks 32 splits at batch 1 / 8k and 16k (14.5 / 19.2 us against 16.1 / 21.7 with
-    // 16) and 16 at 4k (all 16 partitions), the best of each sweep.
+    // Pick the split count by a wave model: CTAs resident at once (the device's SMs x the CTAs
+    // its shared memory holds), time ~ waves x (keys per CTA + a fixed start-up worth ~128 keys).
+    // Fewer splits win ties: each extra split costs a partial-output write and read plus the merge.
+    // Warp decode: modelled as at most two CTAs per SM although three may fit (WarpShape): two
+    // already saturate memory, so a third adds no throughput, and counting it made the model split
+    // large batches that run faster unsplit (sweeps in benchmarks/NOTES_attention_cuda.md).
     const int per_sm = warp_decode ? std::min(2, warp_decode_ctas_per_sm(p.head_dim, lim.smem_per_sm))
                        : prefill   ? paged_attention_prefill_ctas_per_sm(p.head_dim, lim.smem_per_sm)
                                    : resident_ctas(p.head_dim, ts.qpt * ts.hpt > 8, p.pv_quant == PvQuant::kNone,
@@ -1192,9 +1182,8 @@ cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int6
   if (attr != cudaSuccess) return attr;
   // A programmatic dependent launch where the GPU has it (sm_90), while a CUDA graph is being
   // captured: on replay the grid becomes resident while the previous kernel drains instead of
-  // after it (the kernel waits before reading anything). Launched eagerly, the attribute costs
-  // the host more than it saves the GPU (measured: 16 layers at batch 1 went from 381 to 448-516
-  // us a Run with it, from 225 to 209 us replayed), so eager launches go without it.
+  // after it (the kernel waits before reading anything). Eager launches, bound by the host's
+  // launch rate at small batches, gain nothing from it and keep the plain launch.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusActive ||
       sm_major() < 9) {

@@ -5,8 +5,8 @@
 //
 // Why a new kernel. The general kernel (cuda.cu, paged_attention_kernel) runs prefill with 16 rows
 // per CTA of 8 warps and four barrier-separated phases per 128-key stage (scores and codes go
-// through shared memory): ~70 TOP/s at 512 new tokens on 16k of history (H200), far from what the
-// matrix units can do, so INT8 P.V saves little against its float twin (1.07-1.09x). Here:
+// through shared memory): a small fraction of what the matrix units can do, so INT8 P.V saves
+// little against its float twin there (benchmarks/NOTES_attention_cuda.md). Here:
 //
 // CTA = 4 warps = one row tile (64 / G queries x the G q heads of one kv head; G in {1, 2, 4, 8})
 // x one kv head x one key split. Warp w owns rows 16w .. 16w+15 of the tile: row r is query r / G,
@@ -19,7 +19,7 @@
 // [D][64] slot (whole 64-byte rows of a block-64 cache: each cp.async instruction copies 32
 // whole rows, so a 128-byte line is contiguous in global AND shared memory: one L2 request; the
 // 32-byte halves of row d swapped when bit 1 of d is set, so the 8-byte B reads of a half-warp
-// hit distinct banks, as decode_warp_kernel v9) and both per-token scales.
+// hit distinct banks, as in decode_warp_kernel) and both per-token scales.
 // Per stage, each warp on its own (online softmax per row, scores, codes and O in registers):
 //   Q.K  m16n8k32 s8 with the warp's 16 rows as A (rows g and g+8 of lane (g, t)); 8 n-tiles
 //        of 8 keys. Column n of n-tile j (group j / 4, jj = j % 4) is key 32 (j / 4) +
@@ -38,7 +38,7 @@
 //        codes converted to fp16 (exact): the two differ only in the P.V instruction.
 //   Order: both groups' W and max reductions, then both groups' codes, then their P.V MMAs
 //        interleaved per output n-tile (independent chains side by side: the kernel is latency
-//        bound, see below; 615 -> 603 us s8, 1018 -> 946 us none against group after group).
+//        bound, see below, and this order beat group after group).
 // Integer accumulators leave the tensor cores as floats without I2F (a quarter-rate conversion
 // on sm_80/90, 16 a clock per SM, which would bound this kernel): each integer MMA starts from
 // C = 0x4B400000 (the float 1.5 * 2^23), so for |sum| < 2^22 the result's bits are the float
@@ -51,14 +51,10 @@
 // query are skipped. Keys are split across CTAs only when the row tiles do not fill the GPU
 // (cuda.cu's wave model; at 512 new tokens x 32 heads there are 256 CTAs, one split); splits
 // write O / l, m, l to the workspace and cuda.cu's merge kernel combines them.
-// Measured (H200, 512 new tokens, 32 q / 8 kv heads, D 128, block 64; benchmarks/NOTES_attention_
-// cuda.md "Prefill kernel (session 4)"): s8 173 / 316 / 602 us at 4k / 8k / 16k of history
-// (210-232 TOP/s; the general kernel 538 / 999 / 1920), none 269 / 495 / 945: INT8 P.V 1.55-1.57x
-// over its float twin. Not matrix-bound: ncu at 16k (s8) shows the IMMA pipe 12 % busy, issue
-// 55 % active with 2 warps per scheduler (225 registers: 2 CTAs per SM, and 256 CTAs are all
-// there is at this shape), stalls mostly 'wait' (fixed-latency dependencies) and short
-// scoreboard; ~1200 instructions per warp per stage against 64 IMMA. INT8 wins by instructions:
-// the float twin executes 1.38x as many (V to fp16, the W / max divisions, twice the MMAs).
+// Not matrix-bound: with 2 warps per scheduler (two CTAs an SM by registers) the kernel waits on
+// fixed-latency dependencies, about 1200 instructions per warp per stage against 64 IMMA, so INT8
+// P.V wins by instructions: the float twin executes more (V to fp16, the W / max divisions,
+// twice the MMAs). Timings and profiles: benchmarks/NOTES_attention_cuda.md.
 #include <cuda_fp16.h>
 
 #include <algorithm>

@@ -148,9 +148,9 @@ cudaError_t launch_quantize_kv_cache(const QuantizeKvCacheParams& p, cudaStream_
   const int64_t blocks = (nvec * 32 + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   // Decode-sized launches (the in-kernel slot check) captured into a CUDA graph overlap their start
-  // with the previous kernel's tail on sm_90 (eagerly the attribute costs the host more than it
-  // saves: see launch_warp in paged_attention_int8/cuda.cu); the check-kernel path is already
-  // ordered behind its own launches.
+  // with the previous kernel's tail on sm_90 (eager launches keep the plain launch: see launch_warp
+  // in paged_attention_int8/cuda.cu); the check-kernel path is already ordered behind its own
+  // launches.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   int device = 0, major = 0;
   const bool pdl = p.num_tokens <= kQkvInlineCheckMax && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
