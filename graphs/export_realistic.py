@@ -120,7 +120,7 @@ class _FlatDecoder:
                     flat += [layer.keys, layer.values]
                 return tuple(flat)
 
-        return Flat()
+        return Flat().eval()
 
 
 def _sample(cfg, dtype, batch: int = 2, seq: int = 3, past: int = 4):

@@ -112,7 +112,7 @@ def test_device_errors_are_checked_after_each_cuda_run(rng, monkeypatch):
     def check():
         calls.append(1)
         if len(calls) == 2:
-            raise RuntimeError("PagedAttentionInt8: input 'block_tables' holds block 99, expected < 16")
+            raise ValueError("PagedAttentionInt8: input 'block_tables' holds block 99, expected < 16")
 
     monkeypatch.setattr(ort_ops, "check_device_errors", check, raising=False)
     runner = PagedRunner(_paged_model(), num_blocks=16, cache_on_device=True)
@@ -120,7 +120,7 @@ def test_device_errors_are_checked_after_each_cuda_run(rng, monkeypatch):
     assert calls == []
     runner.device = "cuda"  # the CUDA path's bindings on CPU OrtValues
     runner.step({"a": [6]})
-    with pytest.raises(RuntimeError, match="input 'block_tables'"):
+    with pytest.raises(ValueError, match="input 'block_tables'"):
         runner.step({"a": [7]})
     monkeypatch.delattr(ort_ops, "check_device_errors")
     runner.step({"b": [8]})  # a library without the hook: nothing to check
