@@ -94,7 +94,8 @@ def prepare(args) -> dict:
         from graphs.export_realistic import build
 
         print(f"building {args.family} ({'tiny, ' if args.tiny else ''}{args.dtype}) into {work} ...", file=sys.stderr)
-        build(args.family, work, dtype=args.dtype, tiny=args.tiny, layers=args.layers, vocab=args.vocab)
+        build(args.family, work, dtype=args.dtype, tiny=args.tiny, layers=args.layers, vocab=args.vocab,
+              exporter=args.exporter)
     rew = work / "model.int8.onnx"
     if not rew.exists():
         import ort_ops
@@ -196,7 +197,7 @@ class _OrtDecoder:
 
     def past_values(self, batch, length, rng):
         shape = (batch, self.dims["kv_heads"], length, self.dims["head_dim"])
-        return [self._val(rng.standard_normal(shape).astype(self.dims["dtype"])) for _ in self.past]
+        return [self._val(rng.standard_normal(shape, dtype=np.float32).astype(self.dims["dtype"])) for _ in self.past]
 
     def run(self, ids, past_len, past, logits_to_host: bool):
         b, s = ids.shape
@@ -371,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("fp16", "fp32"), default=None, help="export dtype (default fp16; --tiny fp32)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--exporter", choices=("dynamo", "transformers"), default="dynamo",
+                    help="how a missing export is made (graphs/export_realistic.py --exporter)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the rewrite (default 64)")
     ap.add_argument("--prefill", type=int, default=None, help="prompt tokens of the prefill case (default 2048)")
     ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence at decode (default 4096)")

@@ -49,7 +49,8 @@ FAMILIES = ("llama", "qwen_moe")
 # name -> config keywords; the tiny presets keep head_dim 64 and the families' structure.
 SHAPES = {
     ("llama", False): dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
-                           head_dim=64, intermediate_size=8192, vocab_size=32000, rope_theta=500000.0),
+                           head_dim=64, intermediate_size=8192, vocab_size=32000,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     ("llama", True): dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=64, intermediate_size=512, vocab_size=512),
     ("qwen_moe", False): dict(num_hidden_layers=8, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
@@ -209,9 +210,8 @@ def build(family: str, out: Path, *, dtype: str = "fp16", tiny: bool = False, la
         raise ValueError(f"export_realistic: exporter must be dynamo or transformers, got {exporter!r}")
     _finish(path, {"ort_ops.generated_by": "graphs/export_realistic.py", "ort_ops.family": family,
                    "ort_ops.dtype": dtype, "ort_ops.exporter": exporter,
-                   "ort_ops.config": json.dumps({k: getattr(cfg, k) for k in SHAPES[(family, tiny)]} |
-                                                {"num_hidden_layers": cfg.num_hidden_layers,
-                                                 "vocab_size": cfg.vocab_size})})
+                   "ort_ops.config": json.dumps({k: getattr(cfg, k) for k in SHAPES[(family, tiny)]
+                                                 if k != "rope_parameters"})})
     if checkpoint:
         model.save_pretrained(str(out / "checkpoint"))
     return path
