@@ -211,6 +211,8 @@ class PagedKVCache:
                  num_blocks: int, *, device: str | None = None):
         if device is not None and device not in DEVICES:
             raise ValueError(f"ort_ops.runtime: cache device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if device == "cuda":
+            resolve_device(device)  # the one-line refusal where onnxruntime has no CUDA EP
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device

@@ -145,6 +145,7 @@ def test_cuda_refused_without_the_cuda_ep():
     for call in (lambda: resolve_device("cuda"),
                  lambda: resolve_device(None, [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]),
                  lambda: PagedRunner(_paged_model(), device="cuda"),
+                 lambda: PagedKVCache.for_model(_paged_model(), num_blocks=4, device="cuda"),
                  lambda: generate(_paged_model(), [[3, 4]], device="cuda")):
         with pytest.raises(ValueError, match="needs onnxruntime with the CUDAExecutionProvider") as e:
             call()
