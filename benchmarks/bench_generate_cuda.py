@@ -127,7 +127,7 @@ def model_dims(path: str) -> dict:
 # --- engines -----------------------------------------------------------------------------------
 
 
-def run_ours(paths, args, prompt, cases, dims):
+def run_ours(paths, args, prompt, dims):
     from ort_ops.runtime import PagedRunner, paged_metadata
 
     meta = paged_metadata(paths["rewritten"])
@@ -217,7 +217,7 @@ class _OrtDecoder:
         return io.get_outputs()[0]
 
 
-def run_ort(path, args, prompt, cases, dims):
+def run_ort(path, args, prompt, dims):
     dec = _OrtDecoder(path, args, dims)
     rng = np.random.default_rng(2)
     out = {}
@@ -277,7 +277,7 @@ def gqa_model(paths, args, dims) -> str:
     raise Skip("; ".join(notes))
 
 
-def run_torch(paths, args, prompt, cases):
+def run_torch(paths, args, prompt):
     try:
         import torch
         from transformers import AutoModelForCausalLM, StaticCache
@@ -318,7 +318,7 @@ def run_torch(paths, args, prompt, cases):
     return out
 
 
-def run_genai(paths, args, prompt, cases, precision: str):
+def run_genai(paths, args, prompt, precision: str):
     try:
         import onnxruntime_genai as og
     except ImportError as e:
@@ -411,15 +411,15 @@ def main(argv=None) -> int:
         print(f"running {engine} ...", file=sys.stderr, flush=True)
         try:
             if engine == "ours":
-                results[engine], checks["ours"] = run_ours(paths, args, prompt, cases, dims)
+                results[engine], checks["ours"] = run_ours(paths, args, prompt, dims)
             elif engine == "ort":
-                results[engine], checks["ort"] = run_ort(paths["original"], args, prompt, cases, dims)
+                results[engine], checks["ort"] = run_ort(paths["original"], args, prompt, dims)
             elif engine == "ort-gqa":
-                results[engine], _ = run_ort(gqa_model(paths, args, dims), args, prompt, cases, dims)
+                results[engine], _ = run_ort(gqa_model(paths, args, dims), args, prompt, dims)
             elif engine == "torch":
-                results[engine] = run_torch(paths, args, prompt, cases)
+                results[engine] = run_torch(paths, args, prompt)
             else:
-                results[engine] = run_genai(paths, args, prompt, cases, engine.split("-")[1])
+                results[engine] = run_genai(paths, args, prompt, engine.split("-")[1])
         except Skip as e:
             reasons[engine] = str(e)
         except Exception as e:  # noqa: BLE001 - a failing peer is a row with its reason
