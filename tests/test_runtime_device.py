@@ -168,3 +168,27 @@ def test_progress_on_stderr(rng, capsys):
     generate(_paged_model(), prompts, max_new_tokens=4, progress=True, cache_on_device=True)
     err = capsys.readouterr().err
     assert "generate [" in err and err.rstrip().endswith("8/8")  # 2 sequences x 4 tokens
+
+
+def test_step_tables_equal_a_per_sequence_construction(rng):
+    """The step tables, computed for all tokens at once, equal the tables built one sequence at
+    a time from the allocator (slots, positions, padded block tables, lengths, cu_seqlens_q)."""
+    runner = PagedRunner(_paged_model(), num_blocks=64)
+    runner.step({"a": list(rng.integers(3, 64, 19)), "b": [4, 5]})
+    batch = {"a": [7], "c": np.asarray(rng.integers(3, 64, 12)), "b": [8, 9, 10]}
+    before = dict(runner.cache.allocator.lengths)
+    named, lens, cu = runner._tables(batch)
+    alloc = runner.cache.allocator
+    starts = [before.get(s, 0) for s in batch]
+    want_slots = np.concatenate([alloc.slots(s, st, len(t)) for (s, t), st in zip(batch.items(), starts)])
+    want_pos = np.concatenate([np.arange(st, st + len(t)) for t, st in zip(batch.values(), starts)])
+    width = max(len(alloc.tables[s]) for s in batch)
+    want_bt = np.array([alloc.tables[s] + [0] * (width - len(alloc.tables[s])) for s in batch], np.int32)
+    np.testing.assert_array_equal(named["slot_mapping"], want_slots)
+    np.testing.assert_array_equal(named["position_ids"], want_pos[None, :])
+    np.testing.assert_array_equal(named["input_ids"], np.concatenate([np.asarray(t) for t in batch.values()])[None, :])
+    np.testing.assert_array_equal(named["block_tables"], want_bt)
+    assert lens == [20, 12, 5] and cu == [0, 1, 13, 16]
+    np.testing.assert_array_equal(named["seq_lens"], lens)
+    assert named["slot_mapping"].dtype == np.int64 and named["block_tables"].dtype == np.int32
+    assert named["seq_lens"].dtype == named["cu_seqlens_q"].dtype == np.int32
