@@ -445,11 +445,17 @@ class PagedRunner:
 
 class DenseRunner:
     """Runs an ordinary decoder (past/present, or no cache at all) on left-padded batches: the
-    reference the paged model is compared with, and the runner of prefill-only rewrites."""
+    reference the paged model is compared with, and the runner of prefill-only rewrites.
+
+    ``past_on_device`` (default: on "cuda") binds the present outputs where the session runs and
+    feeds them back as the next past without a trip through host memory (IOBinding); only the
+    logits come back. Otherwise ``session.run`` with numpy past and present, as on the CPU.
+    """
 
     def __init__(self, model, *, providers: Sequence | None = None, with_library: bool = False,
-                 intra_op_threads: int | None = None):
-        _, providers = resolve_device(None, providers)
+                 intra_op_threads: int | None = None, past_on_device: bool | None = None):
+        self.device, providers = resolve_device(None, providers)
+        self.past_on_device = self.device == "cuda" if past_on_device is None else bool(past_on_device)
         self.session = _session(model if isinstance(model, str) else _load_proto(model), providers, with_library,
                                 intra_op_threads)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
@@ -489,8 +495,25 @@ class DenseRunner:
             if past is None:
                 past = [np.zeros(self._past_shape(n, b), _ort_np_dtype(self.inputs[n].type)) for n in self.past]
             feeds.update(dict(zip(self.past, past)))
+            if self.past_on_device:
+                return self._run_bound(feeds)
         outs = self.session.run(None, feeds)
         return outs[0], outs[1:] if self.past else None
+
+    def _run_bound(self, feeds: dict):
+        """One Run with the presents left on the device (OrtValues the next step binds as past)."""
+        io = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, np.ndarray):
+                io.bind_cpu_input(name, value)
+            else:
+                io.bind_ortvalue_input(name, value)
+        io.bind_output(self.logits_name, "cpu")
+        for name in self.present:
+            io.bind_output(name, self.device)
+        self.session.run_with_iobinding(io)
+        outs = io.get_outputs()
+        return outs[0].numpy(), list(outs[1:])
 
 
 def _ort_np_dtype(ort_type: str):
@@ -665,7 +688,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         max_step_tokens: paged models: at most this many tokens in one step; longer prompts are
             prefilled in chunks while finished prefills already decode (None: every prompt in
             the first step).
-        cache_on_device: paged models: see ``PagedRunner`` (default: on "cuda" only).
+        cache_on_device: keep the KV cache on the device between steps (default: on "cuda"
+            only): a paged model's as ``PagedRunner`` does, a past/present model's presents
+            bound on the device and fed back as past (``DenseRunner``).
 
     Returns:
         One Generation per prompt: new tokens (the EOS included when it stopped on it),
@@ -703,7 +728,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         if with_library and device == "cuda":
             _require_cuda_library()
         runner = DenseRunner(source, providers=providers, intra_op_threads=intra_op_threads,
-                             with_library=with_library)
+                             with_library=with_library, past_on_device=cache_on_device)
         if any(n.op_type == "GroupQueryAttention" for n in proto.graph.node):
             # ORT's GroupQueryAttention reads padding from seqlens_k as right padding; this loop
             # pads on the left, so such a model decodes one prompt at a time (no padding at all).

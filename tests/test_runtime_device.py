@@ -192,3 +192,18 @@ def test_step_tables_equal_a_per_sequence_construction(rng):
     np.testing.assert_array_equal(named["seq_lens"], lens)
     assert named["slot_mapping"].dtype == np.int64 and named["block_tables"].dtype == np.int32
     assert named["seq_lens"].dtype == named["cu_seqlens_q"].dtype == np.int32
+
+
+def test_dense_past_on_device_equals_numpy_past(rng):
+    """An original export with past/present, its presents bound where the session runs and fed
+    back as OrtValues (the CUDA path, here on CPU OrtValues), decodes exactly as with numpy
+    past and present through session.run."""
+    import pathlib
+
+    fixture = pathlib.Path(__file__).resolve().parent / "fixtures" / "attention" / "tx_sdpa_kv.onnx"
+    prompts = [list(rng.integers(3, 128, n)) for n in (4, 9)]
+    ref = generate(str(fixture), prompts, max_new_tokens=6, return_logits=True)
+    out = generate(str(fixture), prompts, max_new_tokens=6, return_logits=True, cache_on_device=True)
+    for r0, r in zip(ref, out):
+        assert r.tokens == r0.tokens
+        np.testing.assert_array_equal(r.logits, r0.logits)
