@@ -66,16 +66,18 @@ def _status(args, msg: str) -> None:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ort_ops.rewrite import load_model
+    from ort_ops.runtime import resolve_device
     from ort_ops.verify import verify
 
-    for path in (args.original, args.rewritten):  # one-line error before any work
+    resolve_device(args.device)  # one-line errors before any work
+    for path in (args.original, args.rewritten):
         load_model(path)
     prompts = None
     if args.prompt:
         prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
     _status(args, "generating with the original (stock onnxruntime) and the rewritten model")
     report = verify(args.original, args.rewritten, prompts=prompts, max_new_tokens=args.max_new_tokens,
-                    eos_token_id=args.eos_token_id, seed=args.seed,
+                    eos_token_id=args.eos_token_id, seed=args.seed, device=args.device,
                     progress=False if (args.json or args.quiet) else None)
     o = report["overall"]
     ok = o["token_agreement"] >= args.min_agreement and o["length_match"] and o["eos_match"]
@@ -84,7 +86,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"verify {args.rewritten} ({report['rewritten_interface']}) against {args.original}")
+        print(f"verify {args.rewritten} ({report['rewritten_interface']}) against {args.original} on {args.device}")
         print(f"  {'prompt':>6} {'len':>4} {'agree':>6} {'logit err':>9} {'stop':>5} {'free agree':>10} "
               f"{'free len o/r':>12}")
         for i, p in enumerate(report["prompts"]):
@@ -108,30 +110,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ort_ops.rewrite import load_model
-    from ort_ops.runtime import _load_proto, generate, paged_metadata
+    from ort_ops.runtime import generate, paged_metadata, resolve_device
     from ort_ops.verify import make_prompts, vocab_size
 
+    _, providers = resolve_device(args.device)
     for path in (args.original, args.rewritten):
         load_model(path)
-    p_orig, p_rew = _load_proto(args.original), _load_proto(args.rewritten)
     rng = np.random.default_rng(args.seed)
     lengths = [int(x) for x in rng.integers(max(1, args.prompt_len // 2), args.prompt_len + 1, args.batch)]
-    prompts = make_prompts(vocab_size(p_orig), lengths=lengths, seed=args.seed)
+    prompts = make_prompts(vocab_size(args.original, providers=providers), lengths=lengths, seed=args.seed)
     rows = {}
-    for label, proto, lib in (("original", p_orig, False), ("rewritten", p_rew, None)):
+    for label, path, lib in (("original", args.original, False), ("rewritten", args.rewritten, None)):
         times = []
         for i in range(args.repeat + 1):  # the first run warms up (session creation not timed)
             t0 = time.perf_counter()
-            out = generate(proto, prompts, max_new_tokens=args.new_tokens, with_library=lib,
-                           intra_op_threads=args.threads)
+            out = generate(path, prompts, max_new_tokens=args.new_tokens, with_library=lib,
+                           intra_op_threads=args.threads, providers=providers,
+                           max_step_tokens=args.max_step_tokens if label == "rewritten" else None,
+                           progress=None if not args.json else False)
             if i:
                 times.append(time.perf_counter() - t0)
         tokens = sum(len(r.tokens) for r in out)
         med = statistics.median(times)
         rows[label] = {"median_s": med, "p90_s": sorted(times)[int(0.9 * (len(times) - 1))],
                        "new_tokens": tokens, "tokens_per_s": tokens / med}
-    meta = paged_metadata(p_rew)
-    report = {"batch": args.batch, "prompt_lengths": lengths, "new_tokens": args.new_tokens,
+    meta = paged_metadata(args.rewritten)
+    report = {"device": args.device, "batch": args.batch, "prompt_lengths": lengths, "new_tokens": args.new_tokens,
               "repeat": args.repeat, **rows,
               "speedup": rows["original"]["median_s"] / rows["rewritten"]["median_s"],
               "note": "wall clock of ort_ops.generate, session creation excluded; includes Python loop "
@@ -143,7 +147,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"bench: batch {args.batch}, prompts {lengths}, {args.new_tokens} new tokens, median of {args.repeat}")
+    print(f"bench on {args.device}: batch {args.batch}, prompts {lengths}, {args.new_tokens} new tokens, "
+          f"median of {args.repeat}")
     for label in ("original", "rewritten"):
         r = rows[label]
         print(f"  {label:<10} {r['median_s'] * 1e3:9.1f} ms  (p90 {r['p90_s'] * 1e3:.1f} ms)  "
@@ -153,6 +158,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         kv = report["kv_bytes_per_token"]
         print(f"  KV cache per token: {kv['int8_paged']} B (INT8 + scales) vs {kv['fp32']} B (fp32)")
     return 0
+
+
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="execution provider of both models: cpu (default) or cuda (onnxruntime-gpu and a CUDA "
+                        "build of the library; the rewritten model's KV cache then lives on the GPU)")
 
 
 def register(sub) -> None:
@@ -187,6 +198,7 @@ def register(sub) -> None:
     vf.add_argument("--seed", type=int, default=0, help="seed of the default prompts")
     vf.add_argument("--min-agreement", type=float, default=0.95,
                     help="token agreement below this fails the check (exit 1), default 0.95")
+    _device_flag(vf)
     vf.add_argument("--json", action="store_true", help="machine-readable report")
     vf.add_argument("--quiet", action="store_true", help="no progress on stderr")
     vf.set_defaults(func=_cmd_verify)
@@ -200,5 +212,9 @@ def register(sub) -> None:
     bn.add_argument("--repeat", type=int, default=3)
     bn.add_argument("--threads", type=int, default=None, help="intra-op threads of both sessions")
     bn.add_argument("--seed", type=int, default=0)
+    bn.add_argument("--max-step-tokens", type=int, default=None,
+                    help="rewritten (paged) model: at most this many tokens a step; longer prefills run in "
+                         "chunks (default: all prompts in one step)")
+    _device_flag(bn)
     bn.add_argument("--json", action="store_true")
     bn.set_defaults(func=_cmd_bench)

@@ -17,6 +17,12 @@ caches and their scales. The runtime binds every ``kv_cache_out.*`` output to th
     logits_SV = runner.step({seq_id: new_tokens, ...})       # prefill, then one token per step
     out = generate(model, prompts, max_new_tokens=32, eos_token_id=2)
 
+On ``device="cuda"`` (ORT's CUDA execution provider) every layer's caches are OrtValues that ORT
+allocated on the GPU, bound once as input and output of the same name (in place); each step
+builds the step tables on the host and copies each to the GPU once (one OrtValue per table,
+read by every layer), and only the logits come back. ``cache_on_device=True`` runs that same
+binding path on the CPU EP (OrtValues in host memory), which is how the tests exercise it.
+
 Models that are not paged (an original export, or a prefill-only rewrite) run through
 ``DenseRunner``: left-padded batches, attention_mask and position_ids, past/present fed back when
 the model has them, the whole sequence recomputed when it has not.
@@ -25,6 +31,7 @@ the model has them, the whole sequence recomputed when it has not.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 from collections.abc import Iterable, Sequence
@@ -34,13 +41,16 @@ import numpy as np
 PAGED_META_KEY = "ort_ops.paged"
 
 
-def _load_proto(model):
+def _load_proto(model, load_external_data: bool = True):
+    """A ModelProto from a path, serialized bytes or a ModelProto. ``load_external_data=False``
+    reads only the graph (enough for metadata and node types; a multi-GB model's weights stay on
+    disk for the session to map)."""
     import onnx
 
     if isinstance(model, (str, bytes)) and not (isinstance(model, bytes) and len(model) > 4096):
         path = model.decode() if isinstance(model, bytes) else model
         try:
-            return onnx.load(path, load_external_data=True)
+            return onnx.load(path, load_external_data=load_external_data)
         except FileNotFoundError:
             raise FileNotFoundError(f"ort_ops.runtime: model file '{path}' not found") from None
         except Exception as e:  # noqa: BLE001 - one clear line for the CLI
@@ -52,11 +62,85 @@ def _load_proto(model):
 
 def paged_metadata(model) -> dict | None:
     """The paged interface description of a model (path, bytes or ModelProto), None if not paged."""
-    proto = _load_proto(model)
+    proto = _load_proto(model, load_external_data=False)
     for p in proto.metadata_props:
         if p.key == PAGED_META_KEY:
             return json.loads(p.value)
     return None
+
+
+# --- devices ------------------------------------------------------------------------------------
+
+DEVICES = ("cpu", "cuda")
+_CUDA_EP = "CUDAExecutionProvider"
+
+
+def _provider_name(p) -> str:
+    return p if isinstance(p, str) else p[0]  # onnxruntime also takes (name, options) pairs
+
+
+def resolve_device(device: str | None = None, providers: Sequence | None = None) -> tuple[str, list]:
+    """The device ("cpu" | "cuda") and the onnxruntime providers of the runtime's sessions.
+
+    Either may be given: ``device="cuda"`` means providers [CUDA, CPU] (the CPU EP takes the
+    nodes CUDA has no kernel for), ``device="cpu"`` [CPU]; a providers list that names the CUDA EP
+    means "cuda". Nothing given: "cpu".
+
+    Raises:
+        ValueError: an unknown device, providers that contradict the device, or "cuda" when
+            this onnxruntime has no CUDA execution provider (one line naming what is missing).
+    """
+    import onnxruntime as ort
+
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"ort_ops.runtime: device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if providers is not None:
+        providers = list(providers)
+        names = [_provider_name(p) for p in providers]
+        if not names:
+            raise ValueError("ort_ops.runtime: providers must name at least one execution provider")
+        implied = "cuda" if _CUDA_EP in names else "cpu"
+        if device is not None and device != implied:
+            raise ValueError(f"ort_ops.runtime: device {device!r} contradicts providers {names}"
+                             + (f" (device 'cuda' needs {_CUDA_EP} among them)" if device == "cuda" else ""))
+        device = implied
+    else:
+        device = device or "cpu"
+        providers = [_CUDA_EP, "CPUExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    if device == "cuda" and _CUDA_EP not in ort.get_available_providers():
+        raise ValueError(f"ort_ops.runtime: device 'cuda' needs onnxruntime with the {_CUDA_EP} "
+                         f"(onnxruntime-gpu); onnxruntime {ort.__version__} here offers only "
+                         f"{', '.join(ort.get_available_providers())}")
+    return device, providers
+
+
+def _require_cuda_library() -> None:
+    """Refuses "cuda" when the ort-ops library has no CUDA kernels (ORT would place our ops on
+    the CPU EP and copy every cache both ways each step)."""
+    from ort_ops._lib import build_info, get_library_path
+
+    if not build_info().get("cuda"):
+        raise ValueError(f"ort_ops.runtime: device 'cuda' needs the ort-ops library built with CUDA "
+                         f"(ORT_OPS_USE_CUDA=ON); {get_library_path()} was built without it")
+
+
+def _check_device_errors() -> None:
+    """Raises what a CUDA op found wrong on the device during the last Run (a bad table value),
+    through ``ort_ops.check_device_errors`` where the library offers it."""
+    import ort_ops
+
+    check = getattr(ort_ops, "check_device_errors", None)
+    if check is not None:
+        check()
+
+
+def _zeros_ortvalue(shape, dtype, device: str):
+    """An OrtValue that ORT allocated on ``device`` (device 0), zero-filled from the host once."""
+    import onnxruntime as ort
+
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device, 0)
+    value.update_inplace(np.zeros(shape, dtype))
+    return value
 
 
 def _dtype_of(elem_type: int):
@@ -117,41 +201,63 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """Per-layer INT8 caches and scales (numpy buffers that OrtValues wrap without copying) and
-    the block allocator of their blocks."""
+    """Per-layer INT8 caches and scales and the block allocator of their blocks.
+
+    ``device=None`` (the default): numpy buffers (``buffers``) that OrtValues wrap without copying.
+    ``device="cuda"`` (or "cpu"): OrtValues that ORT allocated on that device (``values``), zeroed
+    once; they never leave it. ``layer_arrays(i)`` reads either kind back as numpy.
+    """
 
     def __init__(self, num_layers: int, layer_dims: Sequence[Sequence[int]], block_size: int,
-                 num_blocks: int):
+                 num_blocks: int, *, device: str | None = None):
+        if device is not None and device not in DEVICES:
+            raise ValueError(f"ort_ops.runtime: cache device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if device == "cuda":
+            resolve_device(device)  # the one-line refusal where onnxruntime has no CUDA EP
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.device = device
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.buffers: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.values: list = []  # per layer [key, value, key_scale, value_scale] OrtValues (device set)
+        self._nbytes = 0
         for i in range(num_layers):
             hkv, d = layer_dims[i]
-            self.buffers.append((
-                np.zeros((num_blocks, hkv, block_size, d), np.int8),   # key   [N, Hkv, Bs, D]
-                np.zeros((num_blocks, hkv, d, block_size), np.int8),   # value [N, Hkv, D, Bs]
-                np.zeros((num_blocks, hkv, block_size), np.float32),   # key_scale
-                np.zeros((num_blocks, hkv, block_size), np.float32),   # value_scale
-            ))
+            specs = (((num_blocks, hkv, block_size, d), np.int8),   # key   [N, Hkv, Bs, D]
+                     ((num_blocks, hkv, d, block_size), np.int8),   # value [N, Hkv, D, Bs]
+                     ((num_blocks, hkv, block_size), np.float32),   # key_scale
+                     ((num_blocks, hkv, block_size), np.float32))   # value_scale
+            self._nbytes += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs)
+            if device is None:
+                self.buffers.append(tuple(np.zeros(shape, dt) for shape, dt in specs))
+            else:
+                self.values.append([_zeros_ortvalue(shape, dt, device) for shape, dt in specs])
 
     @classmethod
-    def for_model(cls, model, num_blocks: int = 256) -> PagedKVCache:
+    def for_model(cls, model, num_blocks: int = 256, *, device: str | None = None) -> PagedKVCache:
         meta = paged_metadata(model)
         if meta is None:
             raise ValueError("ort_ops.runtime: the model is not paged (no 'ort_ops.paged' metadata); "
                              "rewrite it with `ort-ops rewrite` first")
-        return cls(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks)
+        return cls(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks, device=device)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for layer in self.buffers for a in layer)
+        return self._nbytes
+
+    def layer_arrays(self, layer: int) -> list[np.ndarray]:
+        """Layer ``layer``'s key, value, key_scale, value_scale as numpy (a copy from a GPU)."""
+        if self.device is None:
+            return list(self.buffers[layer])
+        return [v.numpy() for v in self.values[layer]]
 
 
 # --- runners -----------------------------------------------------------------------------------
 
 
-def _session(proto, providers: Sequence[str], with_library: bool, intra_op_threads: int | None):
+def _session(model, providers: Sequence, with_library: bool, intra_op_threads: int | None):
+    """An InferenceSession of a path (read by ORT itself, external weights included: a model past
+    protobuf's 2 GB cannot be serialized), serialized bytes or a ModelProto."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -162,31 +268,125 @@ def _session(proto, providers: Sequence[str], with_library: bool, intra_op_threa
         from ort_ops._lib import session_options
 
         session_options(so)
-    return ort.InferenceSession(proto.SerializeToString(), so, providers=list(providers))
+    if isinstance(model, str):
+        source = model
+    elif isinstance(model, bytes):
+        source = model
+    else:
+        source = model.SerializeToString()
+    return ort.InferenceSession(source, so, providers=list(providers))
 
 
 class PagedRunner:
-    """Runs a paged model step by step over a PagedKVCache, caches bound in place."""
+    """Runs a paged model step by step over a PagedKVCache, caches bound in place.
+
+    Two binding paths, the same graph and the same results: a numpy cache (``device="cpu"``, the
+    default) is wrapped per step and the tables are bound as numpy arrays; a device cache (the
+    default on ``device="cuda"``, or ``cache_on_device=True``) stays bound in one IOBinding for
+    the runner's life, and each step binds only the tables (one device OrtValue each) and the
+    logits (returned to host memory).
+    """
 
     def __init__(self, model, cache: PagedKVCache | None = None, *, num_blocks: int = 256,
-                 providers: Sequence[str] = ("CPUExecutionProvider",), intra_op_threads: int | None = None):
+                 providers: Sequence | None = None, device: str | None = None,
+                 cache_on_device: bool | None = None, intra_op_threads: int | None = None):
+        """
+        Args:
+            model: path (preferred for large models: ORT maps the weights itself), bytes or
+                ModelProto of a paged model.
+            cache: the cache to run on (default: a new one of ``num_blocks`` blocks on the device).
+            providers / device: see ``resolve_device``; default the CPU EP.
+            cache_on_device: keep the cache in OrtValues allocated by ORT on the device and bind
+                it once (default: on "cuda" only; True on "cpu" runs the CUDA path's bindings on
+                the CPU EP).
+        """
         import onnxruntime as ort
 
-        proto = _load_proto(model)
-        meta = paged_metadata(proto)
+        self.device, providers = resolve_device(device, providers)
+        on_device = self.device == "cuda" if cache_on_device is None else bool(cache_on_device)
+        if cache is not None and cache_on_device is None:
+            on_device = cache.device is not None
+        if self.device == "cuda" and not on_device:
+            raise ValueError("ort_ops.runtime: device 'cuda' runs on a cache that lives on the GPU; "
+                             "create it with PagedKVCache.for_model(model, device='cuda') (or pass none)")
+        meta = paged_metadata(model)
         if meta is None:
             raise ValueError("ort_ops.runtime: the model is not paged (no 'ort_ops.paged' metadata)")
+        if self.device == "cuda":
+            _require_cuda_library()
         self.meta = meta
-        self.cache = cache or PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks)
+        self.cache = cache or PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks,
+                                           device=self.device if on_device else None)
         if self.cache.block_size != meta["block_size"]:
             raise ValueError(f"ort_ops.runtime: cache block size {self.cache.block_size} != the model's "
                              f"{meta['block_size']}")
-        self.session = _session(proto, providers, True, intra_op_threads)
+        want = self.device if on_device else None
+        if self.cache.device != want:
+            raise ValueError(f"ort_ops.runtime: the cache lives on {self.cache.device or 'the host (numpy)'} but "
+                             f"this runner needs it on {want or 'the host (numpy)'}")
+        self.session = _session(model if isinstance(model, (str, bytes)) else _load_proto(model), providers, True,
+                                intra_op_threads)
         self._float = {i.name: i.type for i in self.session.get_inputs()}
-        self._cache_values = []
-        for layer in self.cache.buffers:
-            self._cache_values.append([ort.OrtValue.ortvalue_from_numpy(a) for a in layer])
         self.logits_name = meta["logits"] or self.session.get_outputs()[0].name
+        self._cache_values = []
+        self._io = None
+        if self.cache.device is None:
+            for layer in self.cache.buffers:
+                self._cache_values.append([ort.OrtValue.ortvalue_from_numpy(a) for a in layer])
+        else:
+            # One binding for the runner's life: each cache is input and output at once (the op
+            # writes only the new slots), so a step rebinds only the tables and the logits.
+            self._io = self.session.io_binding()
+            for layer, (ins, outs) in enumerate(zip(meta["cache_inputs"], meta["cache_outputs"])):
+                for name_in, name_out, ov in zip(ins, outs, self.cache.values[layer]):
+                    self._io.bind_ortvalue_input(name_in, ov)
+                    self._io.bind_ortvalue_output(name_out, ov)
+            self._step_values: list = []  # the bound tables, alive until the next step rebinds them
+
+    def _tables(self, batch: dict):
+        """The step tables of ``batch`` (name -> host array, in binding order), the context
+        lengths after the step and cu_seqlens_q.
+
+        Only the block reservations loop over sequences; the tables are computed for all tokens
+        at once, because at 32 decoding sequences numpy's per-call cost in a per-sequence loop
+        was most of a GPU step's time.
+        """
+        alloc = self.cache.allocator
+        bs = alloc.block_size
+        toks_list, starts, counts, tables = [], [], [], []
+        for seq_id, toks in batch.items():
+            toks = toks.reshape(-1) if isinstance(toks, np.ndarray) else toks
+            if len(toks) == 0:
+                raise ValueError(f"ort_ops.runtime: sequence {seq_id!r} has no new tokens")
+            start = alloc.lengths.get(seq_id, 0)
+            alloc.reserve(seq_id, start + len(toks))
+            toks_list.append(toks)
+            starts.append(start)
+            counts.append(len(toks))
+            tables.append(alloc.tables[seq_id])
+        n_seq = len(counts)
+        counts_S = np.asarray(counts, np.int64)
+        starts_S = np.asarray(starts, np.int64)
+        cu = np.zeros(n_seq + 1, np.int32)
+        np.cumsum(counts_S, out=cu[1:])
+        seq_T = np.repeat(np.arange(n_seq), counts_S)           # sequence of each packed token
+        pos_T = np.arange(int(cu[-1])) - np.repeat(cu[:-1] - starts_S, counts_S)  # its position
+        widths = np.asarray([len(t) for t in tables])
+        # Unused table entries hold block 0: a valid block the op never reads (past seq_lens).
+        bt = np.zeros((n_seq, int(widths.max())), np.int32)
+        bt[np.arange(bt.shape[1])[None, :] < widths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), np.int32, count=int(widths.sum()))
+        slots_T = bt[seq_T, pos_T // bs].astype(np.int64) * bs + pos_T % bs
+        lens = starts_S + counts_S
+        named = {
+            self.meta["input_ids"]: np.fromiter(itertools.chain.from_iterable(toks_list), np.int64)[None, :],
+            self.meta["position_ids"]: pos_T[None, :].astype(np.int64),
+            "slot_mapping": slots_T,
+            "block_tables": bt,
+            "seq_lens": lens.astype(np.int32),
+            "cu_seqlens_q": cu,
+        }
+        return named, lens.tolist(), cu.tolist()
 
     def step(self, batch: dict) -> np.ndarray:
         """Runs the new tokens of several sequences in one packed step.
@@ -199,38 +399,11 @@ class PagedRunner:
             float32 [S, V]: the logits of each sequence's last new token, in ``batch`` order.
         """
         alloc = self.cache.allocator
-        ids, pos, slots, lens, cu, tables = [], [], [], [], [0], []
-        for seq_id, toks in batch.items():
-            toks = np.asarray(toks, np.int64).reshape(-1)
-            if toks.size == 0:
-                raise ValueError(f"ort_ops.runtime: sequence {seq_id!r} has no new tokens")
-            start = alloc.lengths.get(seq_id, 0)
-            alloc.reserve(seq_id, start + toks.size)
-            ids.append(toks)
-            pos.append(np.arange(start, start + toks.size, dtype=np.int64))
-            slots.append(alloc.slots(seq_id, start, toks.size))
-            lens.append(start + toks.size)
-            cu.append(cu[-1] + toks.size)
-            tables.append(alloc.tables[seq_id])
-        width = max(len(t) for t in tables)
-        # Unused table entries hold block 0: a valid block the op never reads (past seq_lens).
-        bt = np.zeros((len(tables), width), np.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = t
-        io = self.session.io_binding()
-        io.bind_cpu_input(self.meta["input_ids"], np.concatenate(ids)[None, :])
-        io.bind_cpu_input(self.meta["position_ids"], np.concatenate(pos)[None, :])
-        io.bind_cpu_input("slot_mapping", np.concatenate(slots).astype(np.int64))
-        io.bind_cpu_input("block_tables", bt)
-        io.bind_cpu_input("seq_lens", np.asarray(lens, np.int32))
-        io.bind_cpu_input("cu_seqlens_q", np.asarray(cu, np.int32))
-        for layer, (ins, outs) in enumerate(zip(self.meta["cache_inputs"], self.meta["cache_outputs"])):
-            for name_in, name_out, ov in zip(ins, outs, self._cache_values[layer]):
-                io.bind_ortvalue_input(name_in, ov)
-                io.bind_ortvalue_output(name_out, ov)  # in place: the op writes only new slots
-        io.bind_output(self.logits_name)
-        self.session.run_with_iobinding(io)
-        logits = io.get_outputs()[-1].numpy()  # the caches stay where they are: no copy
+        named, lens, cu = self._tables(batch)
+        if self._io is None:
+            logits = self._run_host(named)
+        else:
+            logits = self._run_device(named)
         for seq_id, n in zip(batch, lens):
             alloc.lengths[seq_id] = n
         rows = logits.reshape(-1, logits.shape[-1])
@@ -238,18 +411,53 @@ class PagedRunner:
             return rows.astype(np.float32)
         return rows[np.asarray(cu[1:]) - 1].astype(np.float32)
 
+    def _run_host(self, named: dict) -> np.ndarray:
+        io = self.session.io_binding()
+        for name, arr in named.items():
+            io.bind_cpu_input(name, arr)
+        for layer, (ins, outs) in enumerate(zip(self.meta["cache_inputs"], self.meta["cache_outputs"])):
+            for name_in, name_out, ov in zip(ins, outs, self._cache_values[layer]):
+                io.bind_ortvalue_input(name_in, ov)
+                io.bind_ortvalue_output(name_out, ov)  # in place: the op writes only new slots
+        io.bind_output(self.logits_name)
+        self.session.run_with_iobinding(io)
+        return io.get_outputs()[-1].numpy()  # the caches stay where they are: no copy
+
+    def _run_device(self, named: dict) -> np.ndarray:
+        import onnxruntime as ort
+
+        io = self._io
+        # Each table reaches the device once per step, one OrtValue that every layer reads.
+        self._step_values = [ort.OrtValue.ortvalue_from_numpy(arr, self.cache.device, 0) for arr in named.values()]
+        for name, ov in zip(named, self._step_values):
+            io.bind_ortvalue_input(name, ov)
+        # Rebinding by name replaces last step's logits (whose shape differs) with an empty value
+        # that ORT allocates in host memory: the logits are all that comes back.
+        io.bind_output(self.logits_name, "cpu")
+        self.session.run_with_iobinding(io)
+        if self.device == "cuda":
+            _check_device_errors()
+        return io.get_outputs()[-1].numpy()
+
     def release(self, seq_id) -> None:
         self.cache.allocator.release(seq_id)
 
 
 class DenseRunner:
     """Runs an ordinary decoder (past/present, or no cache at all) on left-padded batches: the
-    reference the paged model is compared with, and the runner of prefill-only rewrites."""
+    reference the paged model is compared with, and the runner of prefill-only rewrites.
 
-    def __init__(self, model, *, providers: Sequence[str] = ("CPUExecutionProvider",),
-                 with_library: bool = False, intra_op_threads: int | None = None):
-        proto = _load_proto(model)
-        self.session = _session(proto, providers, with_library, intra_op_threads)
+    ``past_on_device`` (default: on "cuda") binds the present outputs where the session runs and
+    feeds them back as the next past without a trip through host memory (IOBinding); only the
+    logits come back. Otherwise ``session.run`` with numpy past and present, as on the CPU.
+    """
+
+    def __init__(self, model, *, providers: Sequence | None = None, with_library: bool = False,
+                 intra_op_threads: int | None = None, past_on_device: bool | None = None):
+        self.device, providers = resolve_device(None, providers)
+        self.past_on_device = self.device == "cuda" if past_on_device is None else bool(past_on_device)
+        self.session = _session(model if isinstance(model, str) else _load_proto(model), providers, with_library,
+                                intra_op_threads)
         self.inputs = {i.name: i for i in self.session.get_inputs()}
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.ids_name = next((n for n in self.inputs if n.endswith("input_ids")), None)
@@ -287,8 +495,25 @@ class DenseRunner:
             if past is None:
                 past = [np.zeros(self._past_shape(n, b), _ort_np_dtype(self.inputs[n].type)) for n in self.past]
             feeds.update(dict(zip(self.past, past)))
+            if self.past_on_device:
+                return self._run_bound(feeds)
         outs = self.session.run(None, feeds)
         return outs[0], outs[1:] if self.past else None
+
+    def _run_bound(self, feeds: dict):
+        """One Run with the presents left on the device (OrtValues the next step binds as past)."""
+        io = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, np.ndarray):
+                io.bind_cpu_input(name, value)
+            else:
+                io.bind_ortvalue_input(name, value)
+        io.bind_output(self.logits_name, "cpu")
+        for name in self.present:
+            io.bind_output(name, self.device)
+        self.session.run_with_iobinding(io)
+        outs = io.get_outputs()
+        return outs[0].numpy(), list(outs[1:])
 
 
 def _ort_np_dtype(ort_type: str):
@@ -334,39 +559,55 @@ def _limit(forced, i, max_new_tokens):
     return max_new_tokens if forced is None else len(forced[i])
 
 
-def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits, progress, forced=None):
-    ids = [f"seq{i}" for i in range(len(prompts))]
+def _schedule(pending: dict, max_step_tokens: int | None) -> dict:
+    """The next step's batch {seq id: tokens}: every pending token when unbounded; otherwise the
+    decoding sequences first (one token each, so prefill never stalls them), then prompt chunks
+    in arrival order until ``max_step_tokens`` is used (chunked prefill)."""
+    if max_step_tokens is None:
+        return {sid: toks for sid, (_, toks) in pending.items()}
+    batch, room = {}, max_step_tokens
+    for sid, (_, toks) in pending.items():
+        if len(toks) == 1 and room > 0:
+            batch[sid], room = toks, room - 1
+    for sid, (_, toks) in pending.items():
+        if len(toks) > 1 and room > 0:
+            batch[sid] = toks[:room]
+            room -= len(batch[sid])
+    return batch
+
+
+def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits, progress, forced=None,
+                  max_step_tokens=None):
+    # pending: seq id -> (prompt index, tokens not yet run): the prompt (or what of it a chunked
+    # prefill has not run yet), then the one token each decode step feeds back.
+    pending = {f"seq{i}": (i, list(p)) for i, p in enumerate(prompts)}
     results = [Generation([], False, [] if keep_logits else None) for _ in prompts]
-    active = {}
-    for i, p in enumerate(prompts):
-        active[ids[i]] = (i, list(p))
-    batch = {sid: toks for sid, (i, toks) in active.items()}
-    bar = _Progress(max_new_tokens, "generate", progress)
+    bar = _Progress(sum(_limit(forced, i, max_new_tokens) for i in range(len(prompts))), "generate", progress)
     try:
-        for _ in range(max_new_tokens):
-            if not batch:
-                break
+        while pending:
+            batch = _schedule(pending, max_step_tokens)
             logits = runner.step(batch)
-            nxt = {}
-            for row, sid in enumerate(batch):
-                i = active[sid][0]
+            for row, (sid, toks) in enumerate(batch.items()):
+                i, todo = pending[sid]
+                if len(todo) > len(toks):  # a prompt chunk: its logits predict nothing yet
+                    pending[sid] = (i, todo[len(toks):])
+                    continue
                 tok = int(np.argmax(logits[row]))
                 r = results[i]
                 r.tokens.append(tok)
                 if keep_logits:
                     r.logits.append(logits[row])
                 step = len(r.tokens)
+                bar.update()
                 if forced is None and eos is not None and tok in eos:
                     r.stopped_by_eos = True
-                    runner.release(sid)
-                elif step >= _limit(forced, i, max_new_tokens):
-                    runner.release(sid)
-                else:
-                    nxt[sid] = [tok if forced is None else forced[i][step - 1]]
-            batch = nxt
-            bar.update()
+                elif step < _limit(forced, i, max_new_tokens):
+                    pending[sid] = (i, [tok if forced is None else forced[i][step - 1]])
+                    continue
+                del pending[sid]
+                runner.release(sid)
     finally:
-        for sid in list(batch):
+        for sid in list(pending):
             runner.release(sid)
         bar.close()
     return results
@@ -418,10 +659,10 @@ def _greedy_dense(runner: DenseRunner, prompts, max_new_tokens, eos, keep_logits
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
              eos_token_id: int | Iterable[int] | None = None, num_blocks: int | None = None,
-             return_logits: bool = False, providers: Sequence[str] = ("CPUExecutionProvider",),
+             return_logits: bool = False, providers: Sequence | None = None, device: str | None = None,
              with_library: bool | None = None, progress: bool | None = False,
-             intra_op_threads: int | None = None, forced_tokens: Sequence[Sequence[int]] | None = None
-             ) -> list[Generation]:
+             intra_op_threads: int | None = None, forced_tokens: Sequence[Sequence[int]] | None = None,
+             max_step_tokens: int | None = None, cache_on_device: bool | None = None) -> list[Generation]:
     """Greedy decoding of a batch of prompts of different lengths.
 
     A paged model (``ort-ops rewrite`` output) runs on the paged KV cache: all prompts are
@@ -436,17 +677,30 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         eos_token_id: stop a sequence when it emits this token (or any of these).
         num_blocks: paged cache size (default: enough for every prompt plus max_new_tokens).
         return_logits: keep each step's logits [V] in the results.
+        providers / device: where to run ("cpu" | "cuda"; see ``resolve_device``); default the
+            CPU EP. On "cuda" a paged model's cache lives on the GPU (``PagedRunner``); any other
+            model runs ``session.run`` on that EP.
         with_library: register the ort-ops library (default: when the model uses its domain).
         progress: a progress bar on stderr (None: when stderr is a terminal).
         forced_tokens: teacher forcing: per prompt, the tokens to feed after each step instead of
             the model's own choice (e.g. another model's output); the model's argmax is still
             what ``tokens`` records, no EOS stop, and it runs len(forced_tokens[i]) steps.
+        max_step_tokens: paged models: at most this many tokens in one step; longer prompts are
+            prefilled in chunks while finished prefills already decode (None: every prompt in
+            the first step).
+        cache_on_device: keep the KV cache on the device between steps (default: on "cuda"
+            only): a paged model's as ``PagedRunner`` does, a past/present model's presents
+            bound on the device and fed back as past (``DenseRunner``).
 
     Returns:
         One Generation per prompt: new tokens (the EOS included when it stopped on it),
         stopped_by_eos, logits [steps, V] if asked.
     """
-    proto = _load_proto(model)
+    proto = _load_proto(model, load_external_data=False)  # graph only: the session reads the weights
+    source = model if isinstance(model, str) else _load_proto(model)
+    device, providers = resolve_device(device, providers)
+    if max_step_tokens is not None and max_step_tokens < 1:
+        raise ValueError(f"ort_ops.generate: max_step_tokens must be >= 1, got {max_step_tokens}")
     prompts = [list(map(int, p)) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("ort_ops.generate: every prompt needs at least one token")
@@ -462,15 +716,19 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if meta is not None:
         bs = meta["block_size"]
         need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
-        runner = PagedRunner(proto, num_blocks=num_blocks or need, providers=providers,
-                             intra_op_threads=intra_op_threads)
-        results = _greedy_paged(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens)
+        runner = PagedRunner(source, num_blocks=num_blocks or need, providers=providers,
+                             cache_on_device=cache_on_device, intra_op_threads=intra_op_threads)
+        results = _greedy_paged(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens,
+                                max_step_tokens)
     else:
         from ort_ops._domain import DOMAIN
 
         uses_lib = any(o.domain == DOMAIN for o in proto.opset_import)
-        runner = DenseRunner(proto, providers=providers, intra_op_threads=intra_op_threads,
-                             with_library=uses_lib if with_library is None else with_library)
+        with_library = uses_lib if with_library is None else with_library
+        if with_library and device == "cuda":
+            _require_cuda_library()
+        runner = DenseRunner(source, providers=providers, intra_op_threads=intra_op_threads,
+                             with_library=with_library, past_on_device=cache_on_device)
         if any(n.op_type == "GroupQueryAttention" for n in proto.graph.node):
             # ORT's GroupQueryAttention reads padding from seqlens_k as right padding; this loop
             # pads on the left, so such a model decodes one prompt at a time (no padding at all).

@@ -53,12 +53,12 @@ def make_prompts(vocab: int, lengths=DEFAULT_PROMPT_LENGTHS, seed: int = 0, avoi
     return out
 
 
-def vocab_size(model) -> int:
-    """The logits' last dimension, read from a one-token run of the original."""
-    from ort_ops.runtime import DenseRunner, _load_proto
+def vocab_size(model, *, providers=None) -> int:
+    """The logits' last dimension, read from a one-token run of the original (on ``providers``,
+    default the CPU EP)."""
+    from ort_ops.runtime import DenseRunner
 
-    proto = _load_proto(model)
-    runner = DenseRunner(proto)
+    runner = DenseRunner(model, providers=providers)
     logits, _ = runner.run(np.array([[3]], np.int64), np.ones((1, 1), np.int64), None)
     return int(logits.shape[-1])
 
@@ -92,7 +92,7 @@ def compare(orig, forced, free, eos) -> PromptReport:
 
 
 def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_token_id=None,
-           seed: int = 0, progress: bool | None = False) -> dict:
+           seed: int = 0, progress: bool | None = False, device: str | None = None, providers=None) -> dict:
     """Runs both models on the same prompts; returns the report as a dict (``--json`` prints it).
 
     Args:
@@ -100,26 +100,35 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         prompts: token id lists (default: 4 random prompts of lengths 5, 11, 17, 23).
         max_new_tokens: per prompt.
         eos_token_id: stop token (None: the original's metadata ``ort_ops.eos_token_id`` if any).
+        device / providers: where both models run ("cpu" | "cuda", ``runtime.resolve_device``):
+            the original on stock onnxruntime on that EP, the rewritten one on the paged runtime
+            (its cache on the GPU on "cuda").
 
     Returns:
         {"overall": {...}, "prompts": [{...}, ...], "rewritten_interface": "paged" | "dense"}.
     """
     from ort_ops.runtime import _load_proto, generate, paged_metadata
 
-    p_orig, p_rew = _load_proto(original), _load_proto(rewritten)
+    from ort_ops.runtime import resolve_device
+
+    device, providers = resolve_device(device, providers)
+    # Graphs only (metadata, vocabulary); the sessions read paths themselves, weights included.
+    p_orig, p_rew = _load_proto(original, load_external_data=False), _load_proto(rewritten, load_external_data=False)
+    src_orig = original if isinstance(original, str) else _load_proto(original)
+    src_rew = rewritten if isinstance(rewritten, str) else _load_proto(rewritten)
     if eos_token_id is None:
         meta = {p.key: p.value for p in p_orig.metadata_props}
         if "ort_ops.eos_token_id" in meta:
             eos_token_id = int(meta["ort_ops.eos_token_id"])
     if prompts is None:
-        prompts = make_prompts(vocab_size(p_orig), seed=seed,
+        prompts = make_prompts(vocab_size(src_orig, providers=providers), seed=seed,
                                avoid=() if eos_token_id is None else (eos_token_id,))
-    a = generate(p_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                 return_logits=True, with_library=False, progress=progress)
-    forced = generate(p_rew, prompts, forced_tokens=[x.tokens for x in a], return_logits=True,
-                      progress=progress)
-    b = generate(p_rew, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                 progress=progress)
+    a = generate(src_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                 return_logits=True, with_library=False, progress=progress, providers=providers)
+    forced = generate(src_rew, prompts, forced_tokens=[x.tokens for x in a], return_logits=True,
+                      progress=progress, providers=providers)
+    b = generate(src_rew, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                 progress=progress, providers=providers)
     reports = []
     for p, x, t, y in zip(prompts, a, forced, b):
         r = compare(x, t, y, eos_token_id)
@@ -148,6 +157,7 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         "overall": overall,
         "prompts": [dataclasses.asdict(r) for r in reports],
         "rewritten_interface": "paged" if paged_metadata(p_rew) else "dense",
+        "device": device,
     }
 
 

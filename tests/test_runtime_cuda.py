@@ -1,0 +1,98 @@
+# SPDX-License-Identifier: MIT
+"""The paged runtime on ORT's CUDA EP (issue 18): the same steps as on the CPU give the same
+logits (to the kernels' float rounding) with the caches living on the GPU, a bad table found by
+a CUDA op fails that step with the op's one-line error, and ``ort-ops verify --device cuda``
+passes on a bundled fixture. Every test is ``@pytest.mark.cuda`` and skips with the reason where
+onnxruntime-gpu or a CUDA build of the library is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ort_ops
+from ort_ops.runtime import PagedRunner, generate
+from tests.test_runtime import _paged_model
+from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL, ATTN_REWRITE_GREEDY_AGREEMENT
+
+pytestmark = pytest.mark.cuda
+
+if "CUDAExecutionProvider" not in ort.get_available_providers():
+    pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)", allow_module_level=True)
+if not ort_ops.build_info().get("cuda"):
+    pytest.skip("the ort-ops library was built without CUDA", allow_module_level=True)
+
+# fp32 MatMuls in full fp32 (ORT's CUDA EP uses TF32 by default), so the CPU comparison measures
+# the paged kernels and the bindings, not TF32's 10-bit mantissa.
+CUDA_FP32 = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "attention" / "tx_sdpa_kv.onnx"
+
+
+def _steps(runner, prompts):
+    out = [runner.step({i: p for i, p in enumerate(prompts[:3])})]
+    out.append(runner.step({0: [5], 1: [6], 2: [7]}))
+    runner.release(1)
+    out.append(runner.step({0: [8], 2: [9], 3: prompts[3]}))  # a prefill joins running decodes
+    out.append(runner.step({0: [10], 2: [11], 3: [12]}))
+    return out
+
+
+def test_cuda_steps_equal_cpu_steps_with_the_cache_on_the_gpu(rng):
+    prompts = [list(rng.integers(3, 64, n)) for n in (3, 10, 17, 40)]
+    cpu = PagedRunner(_paged_model(), num_blocks=32)
+    gpu = PagedRunner(_paged_model(), num_blocks=32, providers=CUDA_FP32)
+    assert gpu.device == "cuda" and gpu.cache.device == "cuda"
+    assert all(v.device_name().lower() == "cuda" for layer in gpu.cache.values for v in layer)
+    ptrs = [v.data_ptr() for layer in gpu.cache.values for v in layer]
+    for a, b in zip(_steps(cpu, prompts), _steps(gpu, prompts)):
+        assert a.shape == b.shape and np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, atol=ATTN_REWRITE_EMULATED_LOGITS_ATOL, rtol=0)
+    assert [v.data_ptr() for layer in gpu.cache.values for v in layer] == ptrs  # written in place
+
+
+def test_cuda_generate_follows_cpu_generate(rng):
+    prompts = [list(rng.integers(3, 64, n)) for n in (4, 9, 15, 2)]
+    ref = generate(_paged_model(), prompts, max_new_tokens=8, return_logits=True)
+    out = generate(_paged_model(), prompts, max_new_tokens=8, return_logits=True, providers=CUDA_FP32,
+                   forced_tokens=[r.tokens for r in ref], max_step_tokens=16)
+    agree = np.mean([a == b for r, o in zip(ref, out) for a, b in zip(r.tokens, o.tokens)])
+    assert agree >= ATTN_REWRITE_GREEDY_AGREEMENT, agree
+    for r, o in zip(ref, out):
+        np.testing.assert_allclose(o.logits, r.logits, atol=ATTN_REWRITE_EMULATED_LOGITS_ATOL, rtol=0)
+
+
+def test_bad_block_table_fails_the_step_with_the_ops_error(rng):
+    if getattr(ort_ops, "check_device_errors", None) is None:
+        pytest.skip("this ort_ops has no check_device_errors")
+    runner = PagedRunner(_paged_model(), num_blocks=8, device="cuda")
+    runner.step({"a": list(rng.integers(3, 64, 5))})
+    good = runner._tables
+
+    def bad(batch):
+        named, lens, cu = good(batch)
+        named["block_tables"] = named["block_tables"] + 1000  # past the 8 blocks of the cache
+        return named, lens, cu
+
+    runner._tables = bad
+    with pytest.raises(ValueError, match="block_tables"):
+        runner.step({"a": [4]})
+    runner._tables = good
+    runner.release("a")
+    assert np.isfinite(runner.step({"b": [3, 4, 5]})).all()  # the error was taken: the next step runs
+
+
+def test_verify_device_cuda_on_a_fixture(tmp_path, capsys):
+    from ort_ops.cli import main
+
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--quiet", "--device", "cuda", str(FIXTURE), str(out), "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert v["device"] == "cuda" and v["passed"]
+    assert v["overall"]["token_agreement"] >= ATTN_REWRITE_GREEDY_AGREEMENT
