@@ -23,6 +23,9 @@ Forms (what the MoE fusion must handle; see ``ort_ops/rewrite/moe.py``):
   mixtral_tfexport_ortcuda transformers' exporter with ort_fusions="cuda": one com.microsoft MoE
                            node, which stock ORT's CPU provider refuses (FC3 not implemented).
   mixtral_legacy_batched   the legacy TorchScript exporter, batched_mm (OneHot / Tile variants).
+  qwen2moe_legacy_shared   the legacy exporter, Qwen2-MoE with batched_mm: the router's
+                           softmax(logits, dtype=float) writes Cast nodes between the router
+                           MatMul, its Softmax and the TopK.
   mixtral_legacy_eager     the legacy exporter tracing the default eager experts: the Python
                            loop over the experts hit by the example input is unrolled, so the
                            graph is wrong for other inputs. The fusion must refuse it.
@@ -204,6 +207,7 @@ FIXTURES = {
     "mixtral_tfexport_ortcuda": (mixtral, lambda m, p: export_transformers(m, p, "cuda")),
     "mixtral_legacy_batched": (mixtral, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
     "mixtral_legacy_eager": (mixtral, lambda m, p: export_torch_legacy(m, p, "eager")),
+    "qwen2moe_legacy_shared": (qwen2moe, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
 }
 
 
