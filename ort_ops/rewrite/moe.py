@@ -271,16 +271,28 @@ def _is_last_axis(n: ir.Node, rank_hint: int = 2) -> bool:
 # step 1: router
 
 
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _through_casts(node: ir.Node | None) -> ir.Node | None:
+    """The first producer up the chain that is not an Identity or a Cast to a float type: what
+    ``softmax(logits, dtype=float)`` and mixed-precision routers put between the router GEMM,
+    its Softmax and the TopK (they change the scores' precision, never the experts chosen)."""
+    while node is not None and node.domain in ("", "ai.onnx") and (
+            node.op_type == "Identity" or node.op_type == "Cast" and _attr_int(node, "to", 0) in _FLOAT_TYPES):
+        node = node.inputs[0].producer()
+    return node
+
+
 def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
     """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined."""
-    src = topk.inputs[0].producer()
+    src = _through_casts(topk.inputs[0].producer())
     softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
     if softmax_first:
         if not _is_last_axis(src):
             raise _Declined("the router Softmax is not over the expert axis")
         src = src.inputs[0].producer()
-    while src is not None and src.op_type == "Cast":
-        src = src.inputs[0].producer()
+    src = _through_casts(src)
     if src is None:
         raise _Declined("the TopK's scores do not come from a router projection")
     bias = None
@@ -896,7 +908,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN") -> dict | None:
+                        weight_layout: str = "EKN", proven_2d: Iterable[ir.Value] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -905,11 +917,23 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     The match is structural and needs no probe: ``down(silu(x @ Wg) * (x @ Wu))`` with constant
     weights, one input x of rank 2, is exactly what the chain computes before quantization.
     Measured on the Qwen2-MoE fixture: logits rel. L2 vs torch 0.0053 -> 0.0085, shared weights
-    98304 -> 25600 bytes."""
-    for add in _consumers(routed_out):
+    98304 -> 25600 bytes.
+
+    The routed output may reach the Add through Casts to float (the legacy exporter's trace of
+    ``routed.to(dtype)``). The MLP's input qualifies when the graph says it is float [T, H], or
+    when it is one of ``proven_2d``: the router's input or the hidden state it reshapes, which
+    the probe runs showed to be float32 [T, H] (the legacy exporter records no shapes)."""
+    proven_2d = list(proven_2d)
+    adds = []  # (consumer, the routed value it reads)
+    for n in _consumers(routed_out):
+        if n.op_type == "Cast" and _attr_int(n, "to", 0) == ir.DataType.FLOAT:
+            adds += [(c, n.outputs[0]) for c in _consumers(n.outputs[0])]
+        else:
+            adds.append((n, routed_out))
+    for add, routed in adds:
         if add.op_type != "Add" or len(add.inputs) != 2:
             continue
-        s = add.inputs[1] if add.inputs[0] is routed_out else add.inputs[0]
+        s = add.inputs[1] if add.inputs[0] is routed else add.inputs[0]
         mlp_out = s
         p = s.producer()
         if p is not None and p.op_type == "Mul":
@@ -940,8 +964,8 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
                 continue
             x, wg = gp
             wu = up[1]
-            if (x.shape is None or len(x.shape) != 2 or x.dtype != ir.DataType.FLOAT or wu.shape != wg.shape
-                    or wd.shape != (wg.shape[1], wg.shape[0])):
+            x_ok = any(x is v for v in proven_2d) or (x.shape is not None and len(x.shape) == 2 and x.dtype == ir.DataType.FLOAT)
+            if not x_ok or wu.shape != wg.shape or wd.shape != (wg.shape[1], wg.shape[0]):
                 continue
             return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout)
     return None
@@ -1183,8 +1207,10 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
                 "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
                 "weight_bytes_after": nbytes}
-            shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout)
-                      if shared_int8 else None)
+            proven_2d = [v for v in (b.cand.x, b.cand.hidden)
+                         if all(p[v.name].ndim == 2 and p[v.name].dtype == np.float32 for p in probes)]
+            shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
+                                          proven_2d=proven_2d) if shared_int8 else None)
             if shared:
                 info["shared_expert"] = shared
                 info["weight_bytes_before"] += shared["weight_bytes_before"]

@@ -38,6 +38,9 @@ FUSABLE = {
     "mixtral_dynamo_batched": (4, 32, "stacked"),
     "mixtral_legacy_batched": (4, 32, "stacked"),
     "qwen2moe_dynamo_shared": (4, 32, "stacked"),
+    # legacy exporter: Cast nodes between the router MatMul, its Softmax, the TopK and the Add
+    # of the shared expert
+    "qwen2moe_legacy_shared": (4, 32, "stacked"),
     "qwen3moe_tfexport_kv": (8, 32, "stacked"),
     "mixtral_tfexport_ortcuda": (4, 32, "com.microsoft MoE"),
 }
