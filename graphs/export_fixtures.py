@@ -38,6 +38,9 @@ Forms (name: exporter, what the attention looks like):
                       no past: prefill-only, com.microsoft GroupQueryAttention (packed QKV,
                       do_rotary with per-token cos/sin caches, the mask as attention_bias),
                       present outputs cache.layers.{i}.keys/values
+    dynamo_sdpa_kv_fp16  dynamo_sdpa_kv with the model in float16 (weights, activations, past).
+                      No bfloat16 twin: onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so
+                      neither the original nor a rewrite of it could run here.
 
 Each model's ``metadata_props`` records the form and the generator.
 """
@@ -58,7 +61,7 @@ VOCAB = 128
 SEED = 1234
 
 FORMS = ("tx_sdpa_kv", "tx_ortcpu_kv", "dynamo_sdpa_kv", "dynamo_eager", "dynamo_attn23_kv", "torchscript_kv",
-         "dynamo_cachepos_kv", "dynamo_rope23_kv", "tx_ortcpu_gqa_prefill")
+         "dynamo_cachepos_kv", "dynamo_rope23_kv", "tx_ortcpu_gqa_prefill", "dynamo_sdpa_kv_fp16")
 
 
 def _config(attn_implementation: str = "sdpa"):
@@ -141,11 +144,12 @@ def _io_names(with_past: bool, past_fmt: str, present_fmt: str, with_positions: 
 
 
 def _export_torch(name: str, out: Path, *, dynamo: bool, opset: int, with_past: bool,
-                  attn_implementation: str = "sdpa", with_positions: bool = True):
+                  attn_implementation: str = "sdpa", with_positions: bool = True, dtype: str = "float32"):
     import torch
 
-    model = _model(attn_implementation)
+    model = _model(attn_implementation).to(getattr(torch, dtype))
     ids, mask, pos, kv = _sample(with_past)
+    kv = [(k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))) for k, v in kv]
     flat = _FlatDecoder(model, with_past, with_positions)
     args = (ids, mask, *([pos] if with_positions else []), *[t for pair in kv for t in pair])
     ins, outs = _io_names(with_past, "past_key_values.{i}.{kv}", "present.{i}.{kv}", with_positions)
@@ -215,6 +219,8 @@ def export(name: str, out_dir: Path) -> Path:
         _export_torch(name, out, dynamo=True, opset=23, with_past=True, with_positions=False)
     elif name == "tx_ortcpu_gqa_prefill":
         _export_transformers(name, out, ort_fusions="cpu", with_past=False)
+    elif name == "dynamo_sdpa_kv_fp16":
+        _export_torch(name, out, dynamo=True, opset=20, with_past=True, dtype="float16")
     elif name == "torchscript_kv":
         _export_torch(name, out, dynamo=False, opset=17, with_past=True)
     else:

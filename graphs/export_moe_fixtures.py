@@ -208,6 +208,9 @@ FIXTURES = {
     "mixtral_legacy_batched": (mixtral, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
     "mixtral_legacy_eager": (mixtral, lambda m, p: export_torch_legacy(m, p, "eager")),
     "qwen2moe_legacy_shared": (qwen2moe, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
+    "mixtral_dynamo_batched_fp16": (lambda: mixtral().half(), lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
+    "mixtral_dynamo_batched_bf16": (lambda: mixtral().bfloat16(),
+                                    lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
 }
 
 

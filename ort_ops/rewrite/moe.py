@@ -86,6 +86,10 @@ _PASS_THROUGH = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatt
 # wrong interpretation (gate/up swapped, a wrong expert order, a transposed weight) is off by
 # O(1). 1e-3 of the output's magnitude separates the two with a wide margin either way.
 PROBE_RTOL = 1e-3
+# A float16 block rounds every intermediate (x @ W, SiLU, the product, the down projection, the
+# weighted sum) to 11 significant bits against the float64 reference: errors of a few 1e-3 of the
+# output's magnitude; a wrong interpretation is still off by O(1).
+PROBE_RTOL_FP16 = 2e-2
 PROBE_TOKENS = (48, 1, 192)  # a prompt, a single decode token, a longer prompt if experts were missed
 
 
@@ -639,11 +643,12 @@ class _Prober:
         return dict(zip(self.names, self.session.run(self.names, feeds)))
 
 
-def _matches(got: np.ndarray, want: np.ndarray) -> bool:
+def _matches(got: np.ndarray, want: np.ndarray, dtype=np.float32) -> bool:
     if got.size != want.size or not np.all(np.isfinite(got)):
         return False
-    got = got.reshape(want.shape)
-    return float(np.max(np.abs(got - want), initial=0)) <= PROBE_RTOL * max(float(np.max(np.abs(want), initial=0)), 1e-6)
+    got = got.astype(np.float64).reshape(want.shape)
+    rtol = PROBE_RTOL_FP16 if dtype == np.float16 else PROBE_RTOL
+    return float(np.max(np.abs(got - want), initial=0)) <= rtol * max(float(np.max(np.abs(want), initial=0)), 1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,8 +703,9 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
 def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
     e = cand.num_experts
     x0 = probes[0][cand.x.name]
-    if x0.dtype != np.float32 or x0.ndim != 2:
-        raise _Declined(f"router input is {x0.dtype} of rank {x0.ndim}; only float32 [T, H] blocks are fused")
+    if x0.dtype not in (np.float32, np.float16) or x0.ndim != 2:
+        raise _Declined(f"router input is {x0.dtype} of rank {x0.ndim}; only float32/float16 [T, H] blocks "
+                        "are fused (the INT8 ops take float32/float16 activations)")
     h = x0.shape[1]
     within = _descendant_nodes([cand.hidden])
     last_error = "no post-dominator of the router has the block output's shape"
@@ -741,7 +747,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                     ok = False
                     break
                 shape_ok = True
-                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd)):
+                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd), got.dtype):
                     ok = False
                     break
             if ok:
@@ -849,13 +855,15 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
         return n.outputs
 
     ids32 = add("Cast", [ids], domain="", to=int(ir.DataType.INT32))[0]
-    if weights.dtype not in (None, ir.DataType.FLOAT):
+    if weights.dtype not in (None, ir.DataType.FLOAT, ir.DataType.FLOAT16):
         weights = add("Cast", [weights], domain="", to=int(ir.DataType.FLOAT))[0]
     sorted_x, s2f, groups = add("MoeInitRouting", [x, ids32], 3, num_experts=e)
     xq, xs = add("DynamicQuant", [sorted_x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
+    if x.dtype == ir.DataType.FLOAT16:  # MoeFinalizeRouting's output is float32 by contract
+        out = add("Cast", [out], domain="", to=int(ir.DataType.FLOAT16))[0]
     nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     return nodes, out, nbytes
 
@@ -908,7 +916,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN", proven_2d: Iterable[ir.Value] = ()) -> dict | None:
+                        weight_layout: str = "EKN", proven_2d: Iterable[tuple] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -921,8 +929,9 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
 
     The routed output may reach the Add through Casts to float (the legacy exporter's trace of
     ``routed.to(dtype)``). The MLP's input qualifies when the graph says it is float [T, H], or
-    when it is one of ``proven_2d``: the router's input or the hidden state it reshapes, which
-    the probe runs showed to be float32 [T, H] (the legacy exporter records no shapes)."""
+    when it is one of ``proven_2d`` ((value, dtype) pairs): the router's input or the hidden state
+    it reshapes, which the probe runs showed to be [T, H] (the legacy exporter records no shapes).
+    A float16 MLP gets its float16 output back through a Cast (GroupedMatmulDequant gives float32)."""
     proven_2d = list(proven_2d)
     adds = []  # (consumer, the routed value it reads)
     for n in _consumers(routed_out):
@@ -964,14 +973,18 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
                 continue
             x, wg = gp
             wu = up[1]
-            x_ok = any(x is v for v in proven_2d) or (x.shape is not None and len(x.shape) == 2 and x.dtype == ir.DataType.FLOAT)
-            if not x_ok or wu.shape != wg.shape or wd.shape != (wg.shape[1], wg.shape[0]):
+            proven = next((dt for v, dt in proven_2d if v is x), None)
+            if proven is None and x.shape is not None and len(x.shape) == 2:
+                proven = x.dtype
+            if proven not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
+                    wd.shape != (wg.shape[1], wg.shape[0]):
                 continue
-            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout)
+            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, proven)
     return None
 
 
-def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN") -> dict:
+def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
+                 x_dtype=ir.DataType.FLOAT) -> dict:
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
@@ -993,6 +1006,8 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
     xq, xs = add("DynamicQuant", [x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
+    if x_dtype == ir.DataType.FLOAT16:  # GroupedMatmulDequant's output is float32 by contract
+        y = add("Cast", [y], domain="", to=int(ir.DataType.FLOAT16))[0]
     graph.insert_after(mlp_out.producer(), nodes)
     _replace_value(mlp_out, y)
     return {"intermediate": wg.shape[1], "weight_bytes_before": wg.nbytes + wu.nbytes + wd.nbytes,
@@ -1207,8 +1222,8 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
                 "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
                 "weight_bytes_after": nbytes}
-            proven_2d = [v for v in (b.cand.x, b.cand.hidden)
-                         if all(p[v.name].ndim == 2 and p[v.name].dtype == np.float32 for p in probes)]
+            proven_2d = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype)) for v in (b.cand.x, b.cand.hidden)
+                         if all(p[v.name].ndim == 2 for p in probes)]
             shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
                                           proven_2d=proven_2d) if shared_int8 else None)
             if shared:
