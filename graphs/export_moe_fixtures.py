@@ -26,6 +26,11 @@ Forms (what the MoE fusion must handle; see ``ort_ops/rewrite/moe.py``):
   qwen2moe_legacy_shared   the legacy exporter, Qwen2-MoE with batched_mm: the router's
                            softmax(logits, dtype=float) writes Cast nodes between the router
                            MatMul, its Softmax and the TopK.
+  mixtral_dynamo_batched_fp16, qwen2moe_dynamo_shared_fp16
+                           the dynamo forms above with the model in float16 (weights and
+                           activations; the .npz logits are the float16 torch model's). No
+                           bfloat16 twins: onnxruntime's CPU provider has no bfloat16 Mul/MatMul,
+                           so neither the original nor its rewrite could run here.
   mixtral_legacy_eager     the legacy exporter tracing the default eager experts: the Python
                            loop over the experts hit by the example input is unrolled, so the
                            graph is wrong for other inputs. The fusion must refuse it.
@@ -209,7 +214,7 @@ FIXTURES = {
     "mixtral_legacy_eager": (mixtral, lambda m, p: export_torch_legacy(m, p, "eager")),
     "qwen2moe_legacy_shared": (qwen2moe, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
     "mixtral_dynamo_batched_fp16": (lambda: mixtral().half(), lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
-    "mixtral_dynamo_batched_bf16": (lambda: mixtral().bfloat16(),
+    "qwen2moe_dynamo_shared_fp16": (lambda: qwen2moe().half(),
                                     lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
 }
 

@@ -846,11 +846,11 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
              _initializer(graph, f"{prefix}/down_scale", dn_s)]
     nodes = []
 
-    def add(op, inputs, num_outputs=1, domain=DOMAIN, **attrs):
+    def add(op, inputs, num_outputs=1, domain=DOMAIN, tag="", **attrs):
         n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs,
-                    name=f"{prefix}/{op}")
+                    name=f"{prefix}/{op}{tag}")
         for j, o in enumerate(n.outputs):
-            o.name = f"{prefix}/{op}_{j}"
+            o.name = f"{prefix}/{op}{tag}_{j}"
         nodes.append(n)
         return n.outputs
 
@@ -863,7 +863,7 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
     if x.dtype == ir.DataType.FLOAT16:  # MoeFinalizeRouting's output is float32 by contract
-        out = add("Cast", [out], domain="", to=int(ir.DataType.FLOAT16))[0]
+        out = add("Cast", [out], domain="", tag="_out", to=int(ir.DataType.FLOAT16))[0]
     nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     return nodes, out, nbytes
 

@@ -41,6 +41,9 @@ FUSABLE = {
     # legacy exporter: Cast nodes between the router MatMul, its Softmax, the TopK and the Add
     # of the shared expert
     "qwen2moe_legacy_shared": (4, 32, "stacked"),
+    # the Mixtral model in float16 (weights and activations): float16 into the chain, one Cast
+    # of MoeFinalizeRouting's float32 output back to float16
+    "mixtral_dynamo_batched_fp16": (4, 32, "stacked"),
     "qwen3moe_tfexport_kv": (8, 32, "stacked"),
     "mixtral_tfexport_ortcuda": (4, 32, "com.microsoft MoE"),
 }
@@ -80,7 +83,8 @@ def _float_weight_census(model: onnx.ModelProto, inter: int) -> list[str]:
     """Float initializers of rank >= 2 holding the experts' intermediate size (only the routed
     experts have it in these fixtures: attention 64/128, shared expert 64, vocab 64)."""
     return [f"{t.name}{list(t.dims)}" for t in model.graph.initializer
-            if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) >= 2 and inter in t.dims]
+            if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16) and len(t.dims) >= 2
+            and inter in t.dims]
 
 
 @pytest.mark.parametrize("name", sorted(FUSABLE))
@@ -103,7 +107,15 @@ def test_fixture_is_fused(name):
     assert not _float_weight_census(model, inter)
     assert census["Sigmoid"] == (1 if shared else 0)  # Qwen2's shared-expert gate stays float
     assert not any("shared_expert." in t.name for t in model.graph.initializer)
-    assert block["weight_bytes_after"] < block["weight_bytes_before"] / 3.5
+    half = name.endswith("_fp16")
+    assert block["weight_bytes_after"] < block["weight_bytes_before"] / (1.75 if half else 3.5)
+    if half:  # float16 into MoeInitRouting as it is; float16 out through one Cast
+        producer = {o: n for n in model.graph.node for o in n.output}
+        init = next(n for n in model.graph.node if n.op_type == "MoeInitRouting")
+        assert getattr(producer.get(init.input[0]), "op_type", None) != "Cast"
+        final = next(n for n in model.graph.node if n.op_type == "MoeFinalizeRouting")
+        casts = [n for n in model.graph.node if final.output[0] in n.input]
+        assert [(n.op_type, n.attribute[0].i) for n in casts] == [("Cast", onnx.TensorProto.FLOAT16)]
 
 
 @pytest.mark.parametrize("name", sorted(FUSABLE))
