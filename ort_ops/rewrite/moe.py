@@ -30,8 +30,12 @@ optimum's unrolled per-expert loop (NonZero/Gather/three MatMuls/ScatterElements
 beta 0; QMoE's 8/4-bit codes dequantized, then re-quantized by the rule above). A shared expert
 added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``).
 
-Not handled (declined with a reason): float16/bfloat16 blocks (the probe runs on ORT's CPU
-provider), routers that are not a softmax over a linear projection (e.g. sigmoid scores with a
+float16 blocks run the chain on float16 activations (the ops take them) with one Cast of the
+float32 output back to float16; bfloat16 ones are not fused (the probe runs on ORT's CPU
+provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
+and Identities between its GEMM, its Softmax and the TopK.
+
+Not handled (declined with a reason): routers that are not a softmax over a linear projection (e.g. sigmoid scores with a
 selection bias), expert biases, activations other than SiLU-gated, MoE blocks inside subgraphs.
 
 Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ

@@ -13,6 +13,13 @@ Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py
   (scalar scales, K transposes, repeat_kv, the past Concat) is decoded by helpers shared by
   ``check`` and ``rewrite``.
 * The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph.
+* ``com.microsoft`` ``GroupQueryAttention``: KV-cache graphs (rotary moved in front of the
+  cache) and prefill-only graphs (no past; emitted in the prefill form below, its present
+  outputs the rotated K and the V).
+
+Positions a KV-cache graph computes from the cache length (no position_ids input) are replaced
+by the paged ``position_ids`` (``_positions_from_cache_length``). Graphs that onnxruntime runs on
+batches of one only are probed on one left-padded row. float16 graphs run the ops in float16.
 
 What a match checks: softmax over the key axis, a mask that is causal (and key-padding) -- decided
 by running the original graph on a left-padded probe batch, see ``_graph.py`` -- head counts
