@@ -23,7 +23,7 @@ batches of one only are probed on one left-padded row. float16 graphs run the op
 
 What a match checks: softmax over the key axis, a mask that is causal (and key-padding) -- decided
 by running the original graph on a left-padded probe batch, see ``_graph.py`` -- head counts
-(Hq % Hkv == 0), a supported head_dim (64, 80, 96, 128, 256) and scalar scales. Anything else is
+(Hq % Hkv == 0), a supported head_dim (32, 64, 80, 96, 128, 256) and scalar scales. Anything else is
 declined with a reason and stays as it was.
 
 Rewritten interfaces:
@@ -57,7 +57,7 @@ from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.rewrite import _graph as g
 from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
 
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA EP refuses 32, 80, 96 by name
 PAGED_META_KEY = "ort_ops.paged"
 
 # Names of the paged model's inputs and outputs (README "Rewritten model interface").
