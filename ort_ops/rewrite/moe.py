@@ -931,7 +931,7 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     Measured on the Qwen2-MoE fixture: logits rel. L2 vs torch 0.0053 -> 0.0085, shared weights
     98304 -> 25600 bytes.
 
-    The routed output may reach the Add through Casts to float (the legacy exporter's trace of
+    The routed output may reach the Add through a Cast to a float type (the exporters' trace of
     ``routed.to(dtype)``). The MLP's input qualifies when the graph says it is float [T, H], or
     when it is one of ``proven_2d`` ((value, dtype) pairs): the router's input or the hidden state
     it reshapes, which the probe runs showed to be [T, H] (the legacy exporter records no shapes).
@@ -939,7 +939,7 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     proven_2d = list(proven_2d)
     adds = []  # (consumer, the routed value it reads)
     for n in _consumers(routed_out):
-        if n.op_type == "Cast" and _attr_int(n, "to", 0) == ir.DataType.FLOAT:
+        if n.op_type == "Cast" and _attr_int(n, "to", 0) in _FLOAT_TYPES:
             adds += [(c, n.outputs[0]) for c in _consumers(n.outputs[0])]
         else:
             adds.append((n, routed_out))

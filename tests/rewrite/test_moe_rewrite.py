@@ -44,6 +44,7 @@ FUSABLE = {
     # the Mixtral model in float16 (weights and activations): float16 into the chain, one Cast
     # of MoeFinalizeRouting's float32 output back to float16
     "mixtral_dynamo_batched_fp16": (4, 32, "stacked"),
+    "qwen2moe_dynamo_shared_fp16": (4, 32, "stacked"),  # and its shared expert, float16 out by a Cast
     "qwen3moe_tfexport_kv": (8, 32, "stacked"),
     "mixtral_tfexport_ortcuda": (4, 32, "com.microsoft MoE"),
 }
