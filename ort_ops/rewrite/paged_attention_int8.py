@@ -894,7 +894,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
                 probes = {}
     probes2: dict = {}
     if probes and paged:
-        fe2 = g.probe_feeds(work, list(past), b=max(batch, g.PROBE2_BATCH) if batch > 1 else batch,
+        fe2 = g.probe_feeds(work, list(past), b=g.PROBE2_BATCH if batch > 1 else batch,
                             s=g.PROBE2_SEQ, past=g.PROBE2_PAST)
         try:
             probes2 = g.run_probe(work, targets, fe2[0]) if fe2 else {}
