@@ -660,6 +660,14 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         raise MatchFailureError("GroupQueryAttention with head_sink is not supported")
     if ins[10] is not None and not prefill:
         raise MatchFailureError("GroupQueryAttention with attention_bias is not supported")
+    if prefill:
+        # GQA is causal and hides keys past seqlens_k[b] (right padding); the prefill form reads
+        # padding from attention_mask, so seqlens_k must be the whole length on every probe row
+        # (transformers' exporter writes it so and puts the padding in attention_bias)
+        lens = ctx.probes.get(ins[5].name) if ins[5] is not None else None
+        if lens is None or not np.all(np.asarray(lens) == g.PROBE_SEQ - 1):
+            raise MatchFailureError("prefill GroupQueryAttention whose seqlens_k is not the whole length on "
+                                    "every row (padding through seqlens_k is not supported)")
     a = node.attributes
     get = lambda name, default: a[name].value if name in a else default
     if int(get("local_window_size", -1)) != -1:
@@ -705,13 +713,6 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         if o is not None and o.uses():
             raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
     if prefill:
-        # GQA is causal and hides keys past seqlens_k[b] (right padding); the prefill form reads
-        # padding from attention_mask, so seqlens_k must be the whole length on every probe row
-        # (transformers' exporter writes it so and puts the padding in attention_bias)
-        lens = ctx.probes.get(ins[5].name) if ins[5] is not None else None
-        if lens is None or not np.all(np.asarray(lens) == g.PROBE_SEQ - 1):
-            raise MatchFailureError("prefill GroupQueryAttention whose seqlens_k is not the whole length on "
-                                    "every row (padding through seqlens_k is not supported)")
         kind = _mask_kind(ins[10], ctx) if ins[10] is not None else "causal"
         return q, k, v, hq, hkv, d, scale, rotary, kind
     return q, k, v, hq, hkv, d, scale, rotary

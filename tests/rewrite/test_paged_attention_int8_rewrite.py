@@ -334,6 +334,17 @@ def test_group_query_attention_declines(kwargs, reason):
     assert any(reason in d.reason for d in result.declined), result.declined
 
 
+def test_gqa_prefill_with_padding_in_seqlens_k_declines():
+    """A prefill GroupQueryAttention whose padding lives in seqlens_k (onnxruntime-genai's
+    sum(attention_mask) - 1, no attention_bias) stays: the prefill form reads padding from the
+    attention_mask, and GQA reads seqlens_k as right padding, so the two would disagree."""
+    orig = build_gqa_decoder(past_kv=False)
+    m = ir.serde.deserialize_model(orig)
+    result = fuse_paged_attention_int8(m, RewriteOptions())
+    assert result.fused == 0 and result.details["interface"] == "unchanged"
+    assert len(result.declined) == 2 and all("seqlens_k" in d.reason for d in result.declined), result.declined
+
+
 DECLINES = [
     ({"mask": "window"}, "not causal"),
     # a window longer than the short probe (12 keys): seen by the long probe of the mask plumbing
