@@ -39,8 +39,8 @@ Forms (name: exporter, what the attention looks like):
                       do_rotary with per-token cos/sin caches, the mask as attention_bias),
                       present outputs cache.layers.{i}.keys/values
     dynamo_sdpa_kv_fp16  dynamo_sdpa_kv with the model in float16 (weights, activations, past).
-                      No bfloat16 twin: onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so
-                      neither the original nor a rewrite of it could run here.
+    dynamo_sdpa_kv_bf16  the same in bfloat16: declined (onnxruntime's CPU provider has no
+                      bfloat16 Mul/MatMul, so neither the original nor a rewrite of it runs here).
 
 Each model's ``metadata_props`` records the form and the generator.
 """
@@ -61,7 +61,8 @@ VOCAB = 128
 SEED = 1234
 
 FORMS = ("tx_sdpa_kv", "tx_ortcpu_kv", "dynamo_sdpa_kv", "dynamo_eager", "dynamo_attn23_kv", "torchscript_kv",
-         "dynamo_cachepos_kv", "dynamo_rope23_kv", "tx_ortcpu_gqa_prefill", "dynamo_sdpa_kv_fp16")
+         "dynamo_cachepos_kv", "dynamo_rope23_kv", "tx_ortcpu_gqa_prefill", "dynamo_sdpa_kv_fp16",
+         "dynamo_sdpa_kv_bf16")
 
 
 def _config(attn_implementation: str = "sdpa"):
@@ -219,8 +220,9 @@ def export(name: str, out_dir: Path) -> Path:
         _export_torch(name, out, dynamo=True, opset=23, with_past=True, with_positions=False)
     elif name == "tx_ortcpu_gqa_prefill":
         _export_transformers(name, out, ort_fusions="cpu", with_past=False)
-    elif name == "dynamo_sdpa_kv_fp16":
-        _export_torch(name, out, dynamo=True, opset=20, with_past=True, dtype="float16")
+    elif name in ("dynamo_sdpa_kv_fp16", "dynamo_sdpa_kv_bf16"):
+        _export_torch(name, out, dynamo=True, opset=20, with_past=True,
+                      dtype="float16" if name.endswith("fp16") else "bfloat16")
     elif name == "torchscript_kv":
         _export_torch(name, out, dynamo=False, opset=17, with_past=True)
     else:

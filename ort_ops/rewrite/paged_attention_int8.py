@@ -890,6 +890,9 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
             probes = g.run_probe(work, targets, feeds)
         except Exception as e:  # noqa: BLE001 - any failure means: cannot check, decline
             probe_error = f"running the original graph on a probe batch failed ({str(e).splitlines()[0][:200]})"
+            if any(v.dtype == ir.DataType.BFLOAT16 for v in work.graph.initializers.values()):
+                probe_error = ("a bfloat16 model: onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so "
+                               f"the mask cannot be probed (nor the rewritten model run) ({probe_error})")
             # Some exports run one sequence at a time only (see g.PROBE_FALLBACK_BATCH): probe
             # them with one left-padded row, which still shows causality and key padding.
             batch = g.PROBE_FALLBACK_BATCH
