@@ -35,8 +35,9 @@ float32 output back to float16; bfloat16 ones are not fused (the probe runs on O
 provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
 and Identities between its GEMM, its Softmax and the TopK.
 
-Not handled (declined with a reason): routers that are not a softmax over a linear projection (e.g. sigmoid scores with a
-selection bias), expert biases, activations other than SiLU-gated, MoE blocks inside subgraphs.
+Not handled (declined with a reason): routers that are not a softmax over a linear projection
+(e.g. sigmoid scores with a selection bias), expert biases, activations other than SiLU-gated, MoE
+blocks inside subgraphs.
 
 Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ
 in dozens of index-plumbing nodes (OneHot/Tile, ScatterElements/CumSum, NonZero, GatherND) and
@@ -90,9 +91,10 @@ _PASS_THROUGH = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatt
 # wrong interpretation (gate/up swapped, a wrong expert order, a transposed weight) is off by
 # O(1). 1e-3 of the output's magnitude separates the two with a wide margin either way.
 PROBE_RTOL = 1e-3
-# A float16 block rounds every intermediate (x @ W, SiLU, the product, the down projection, the
-# weighted sum) to 11 significant bits against the float64 reference: errors of a few 1e-3 of the
-# output's magnitude; a wrong interpretation is still off by O(1).
+# A block with float16 activations rounds its intermediates (x @ W, SiLU, the product, the down
+# projection) to 11 significant bits against the float64 reference: 4.3e-4 to 6.8e-4 of the
+# output's magnitude on the float16 fixtures, too close to PROBE_RTOL; a wrong interpretation is
+# still off by O(1), so 2e-2 keeps a wide margin both ways.
 PROBE_RTOL_FP16 = 2e-2
 PROBE_TOKENS = (48, 1, 192)  # a prompt, a single decode token, a longer prompt if experts were missed
 
@@ -648,6 +650,7 @@ class _Prober:
 
 
 def _matches(got: np.ndarray, want: np.ndarray, dtype=np.float32) -> bool:
+    """``got`` equals ``want`` (float64) to the probe tolerance of activations of ``dtype``."""
     if got.size != want.size or not np.all(np.isfinite(got)):
         return False
     got = got.astype(np.float64).reshape(want.shape)
@@ -751,7 +754,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                     ok = False
                     break
                 shape_ok = True
-                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd), got.dtype):
+                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd), x.dtype):
                     ok = False
                     break
             if ok:
