@@ -154,11 +154,12 @@ def build_decoder(form: str = "eager", *, layers: int = 2, hq: int = 2, hkv: int
 
 def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: int = 64,
                       packed_qkv: bool = True, local_window_size: int = -1,
-                      rotary_interleaved: int = 0, seed: int = 0) -> onnx.ModelProto:
+                      rotary_interleaved: int = 0, past_kv: bool = True, seed: int = 0) -> onnx.ModelProto:
     """The ``com.microsoft`` GroupQueryAttention form onnxruntime-genai's builder and ORT's
     transformer optimizer write: packed QKV [B, S, (Hq+2Hkv)*D], do_rotary=1 with cos/sin caches,
     seqlens_k = sum(attention_mask) - 1, past/present [B, Hkv, P, D]; no position_ids input (GQA
-    derives positions from the past length). Runs on stock ORT CPU (right-padded or unpadded)."""
+    derives positions from the past length). Runs on stock ORT CPU (right-padded or unpadded).
+    ``past_kv=False``: a prefill graph that starts the cache (no past inputs, present outputs)."""
     b = _B(seed)
     d = head_dim
     h = b.op("Gather", [b.weight(VOCAB, HIDDEN, std=1.0), "input_ids"], axis=0)
@@ -173,8 +174,8 @@ def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: i
     ang = np.arange(1024)[:, None] * inv[None, :]
     cos, sin = b.const(np.cos(ang).astype(np.float32), "cos_cache"), b.const(np.sin(ang).astype(np.float32), "sin_cache")
     for layer in range(layers):
-        pk, pv = f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
-        for n in (pk, pv):
+        pk, pv = (f"past_key_values.{layer}.key", f"past_key_values.{layer}.value") if past_kv else ("", "")
+        for n in (pk, pv) if past_kv else ():
             inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", hkv, "past", d]))
         for n in (f"present.{layer}.key", f"present.{layer}.value"):
             outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", hkv, "total", d]))

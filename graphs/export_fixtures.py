@@ -3,7 +3,8 @@
 
     python graphs/export_fixtures.py [--out tests/fixtures/attention] [--only NAME ...]
 
-Needs torch 2.13 (the CPU wheel) and transformers 5.24 installed by hand (CI does not: the
+Needs torch 2.13 (the CPU wheel; the last three forms were exported with torch 2.14.1) and
+transformers 5.24 installed by hand (CI does not: the
 fixtures are committed). Downloads nothing: the models are built from a config in code with
 random weights. Every fixture is a Llama-style decoder
 (2 layers, hidden 64, 2 query heads, 1 kv head (GQA), head_dim 64, vocab 128, MLP 64), so each file
@@ -27,6 +28,19 @@ Forms (name: exporter, what the attention looks like):
     dynamo_attn23_kv  torch.onnx.export(dynamo=True, opset 23): the ONNX Attention op
     torchscript_kv    torch.onnx.export(dynamo=False, opset 17), the legacy exporter optimum uses:
                       past_key_values.{i}.key/value in, present.{i}.key/value out
+    dynamo_cachepos_kv  torch.onnx.export(dynamo=True, opset 20) of a model called without
+                      position_ids: transformers computes cache_position = arange(P, P + S) with
+                      P from Shape(past_key_values.*), and RoPE and the mask read it
+    dynamo_rope23_kv  the same at opset 23: the ONNX RotaryEmbedding (cos/sin [1, S, D/2] computed
+                      from the cache length, no position_ids input, so onnxruntime runs it only
+                      on batches of one) next to the ONNX Attention op
+    tx_ortcpu_gqa_prefill  transformers' OnnxExporter with ort_fusions="cpu", use_cache=True and
+                      no past: prefill-only, com.microsoft GroupQueryAttention (packed QKV,
+                      do_rotary with per-token cos/sin caches, the mask as attention_bias),
+                      present outputs cache.layers.{i}.keys/values
+    dynamo_sdpa_kv_fp16  dynamo_sdpa_kv with the model in float16 (weights, activations, past).
+    dynamo_sdpa_kv_bf16  the same in bfloat16: declined (onnxruntime's CPU provider has no
+                      bfloat16 Mul/MatMul, so neither the original nor a rewrite of it runs here).
 
 Each model's ``metadata_props`` records the form and the generator.
 """
@@ -46,7 +60,9 @@ HEAD_DIM = 64
 VOCAB = 128
 SEED = 1234
 
-FORMS = ("tx_sdpa_kv", "tx_ortcpu_kv", "dynamo_sdpa_kv", "dynamo_eager", "dynamo_attn23_kv", "torchscript_kv")
+FORMS = ("tx_sdpa_kv", "tx_ortcpu_kv", "dynamo_sdpa_kv", "dynamo_eager", "dynamo_attn23_kv", "torchscript_kv",
+         "dynamo_cachepos_kv", "dynamo_rope23_kv", "tx_ortcpu_gqa_prefill", "dynamo_sdpa_kv_fp16",
+         "dynamo_sdpa_kv_bf16")
 
 
 def _config(attn_implementation: str = "sdpa"):
@@ -85,7 +101,7 @@ class _FlatDecoder:
     position_ids, past k/v per layer) -> (logits, present k/v per layer), so torch.onnx.export
     sees plain tensors rather than a Cache object."""
 
-    def __new__(cls, model, with_past: bool):
+    def __new__(cls, model, with_past: bool, with_positions: bool = True):
         import torch
         from transformers import DynamicCache
 
@@ -110,11 +126,16 @@ class _FlatDecoder:
                     flat += [layer.keys, layer.values]
                 return tuple(flat)
 
-        return Flat()
+        class FlatNoPositions(Flat):
+            # positions come from the cache length inside the model (transformers' cache_position)
+            def forward(self, input_ids, attention_mask, *past):
+                return super().forward(input_ids, attention_mask, None, *past)
+
+        return Flat() if with_positions else FlatNoPositions()
 
 
-def _io_names(with_past: bool, past_fmt: str, present_fmt: str):
-    ins = ["input_ids", "attention_mask", "position_ids"]
+def _io_names(with_past: bool, past_fmt: str, present_fmt: str, with_positions: bool = True):
+    ins = ["input_ids", "attention_mask"] + (["position_ids"] if with_positions else [])
     outs = ["logits"]
     if with_past:
         for i in range(NUM_LAYERS):
@@ -124,19 +145,21 @@ def _io_names(with_past: bool, past_fmt: str, present_fmt: str):
 
 
 def _export_torch(name: str, out: Path, *, dynamo: bool, opset: int, with_past: bool,
-                  attn_implementation: str = "sdpa"):
+                  attn_implementation: str = "sdpa", with_positions: bool = True, dtype: str = "float32"):
     import torch
 
-    model = _model(attn_implementation)
+    model = _model(attn_implementation).to(getattr(torch, dtype))
     ids, mask, pos, kv = _sample(with_past)
-    flat = _FlatDecoder(model, with_past)
-    args = (ids, mask, pos, *[t for pair in kv for t in pair])
-    ins, outs = _io_names(with_past, "past_key_values.{i}.{kv}", "present.{i}.{kv}")
+    kv = [(k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))) for k, v in kv]
+    flat = _FlatDecoder(model, with_past, with_positions)
+    args = (ids, mask, *([pos] if with_positions else []), *[t for pair in kv for t in pair])
+    ins, outs = _io_names(with_past, "past_key_values.{i}.{kv}", "present.{i}.{kv}", with_positions)
+    n_plain = len(ins) - 2 * NUM_LAYERS * with_past
     if dynamo:
         # Dim.AUTO lets torch.export find the relations (total = past + seq) itself.
         auto = torch.export.Dim.AUTO
         # forward(input_ids, attention_mask, position_ids, *past): *past is one (nested) argument.
-        shapes = [{0: auto, 1: auto}] * 3
+        shapes = [{0: auto, 1: auto}] * n_plain
         if with_past:
             shapes.append(tuple([{0: auto, 2: auto}] * (2 * NUM_LAYERS)))
         prog = torch.onnx.export(flat, args, input_names=ins, output_names=outs, dynamo=True,
@@ -145,7 +168,7 @@ def _export_torch(name: str, out: Path, *, dynamo: bool, opset: int, with_past: 
     else:
         axes = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "total"},
                 "position_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
-        for n in ins[3:]:
+        for n in ins[n_plain:]:
             axes[n] = {0: "batch", 2: "past"}
         for n in outs[1:]:
             axes[n] = {0: "batch", 2: "total"}
@@ -153,18 +176,22 @@ def _export_torch(name: str, out: Path, *, dynamo: bool, opset: int, with_past: 
                           opset_version=opset, dynamic_axes=axes)
 
 
-def _export_transformers(name: str, out: Path, *, ort_fusions: str | None):
+def _export_transformers(name: str, out: Path, *, ort_fusions: str | None, with_past: bool = True):
     import onnx_ir as ir
     import torch
     from transformers import DynamicCache
     from transformers.exporters import OnnxConfig, OnnxExporter
 
     model = _model("sdpa")
-    ids, mask, pos, kv = _sample(True)
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
-    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "past_key_values": cache}
+    ids, mask, pos, kv = _sample(with_past)
+    if with_past:
+        cache = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "past_key_values": cache}
+    else:
+        # use_cache with no past: a prefill graph that starts the cache (present outputs only)
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "use_cache": True}
     exported = OnnxExporter().export(model, inputs, config=OnnxConfig(dynamic=True, ort_fusions=ort_fusions))
     proto = ir.to_proto(exported.program)
     import onnx
@@ -187,6 +214,15 @@ def export(name: str, out_dir: Path) -> Path:
         _export_torch(name, out, dynamo=True, opset=20, with_past=False, attn_implementation="eager")
     elif name == "dynamo_attn23_kv":
         _export_torch(name, out, dynamo=True, opset=23, with_past=True)
+    elif name == "dynamo_cachepos_kv":
+        _export_torch(name, out, dynamo=True, opset=20, with_past=True, with_positions=False)
+    elif name == "dynamo_rope23_kv":
+        _export_torch(name, out, dynamo=True, opset=23, with_past=True, with_positions=False)
+    elif name == "tx_ortcpu_gqa_prefill":
+        _export_transformers(name, out, ort_fusions="cpu", with_past=False)
+    elif name in ("dynamo_sdpa_kv_fp16", "dynamo_sdpa_kv_bf16"):
+        _export_torch(name, out, dynamo=True, opset=20, with_past=True,
+                      dtype="float16" if name.endswith("fp16") else "bfloat16")
     elif name == "torchscript_kv":
         _export_torch(name, out, dynamo=False, opset=17, with_past=True)
     else:

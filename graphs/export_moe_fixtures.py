@@ -23,6 +23,15 @@ Forms (what the MoE fusion must handle; see ``ort_ops/rewrite/moe.py``):
   mixtral_tfexport_ortcuda transformers' exporter with ort_fusions="cuda": one com.microsoft MoE
                            node, which stock ORT's CPU provider refuses (FC3 not implemented).
   mixtral_legacy_batched   the legacy TorchScript exporter, batched_mm (OneHot / Tile variants).
+  qwen2moe_legacy_shared   the legacy exporter, Qwen2-MoE with batched_mm: the router's
+                           softmax(logits, dtype=float) writes Cast nodes between the router
+                           MatMul, its Softmax and the TopK.
+  mixtral_dynamo_batched_fp16, qwen2moe_dynamo_shared_fp16
+                           the dynamo forms above with the model in float16 (weights and
+                           activations; the .npz logits are the float16 torch model's).
+  mixtral_dynamo_batched_bf16  the same in bfloat16, which the fusion declines: onnxruntime's
+                           CPU provider has no bfloat16 Mul/MatMul, so neither the original nor
+                           its rewrite runs here.
   mixtral_legacy_eager     the legacy exporter tracing the default eager experts: the Python
                            loop over the experts hit by the example input is unrolled, so the
                            graph is wrong for other inputs. The fusion must refuse it.
@@ -182,7 +191,7 @@ def _probe_logits(model, experts: str) -> tuple[np.ndarray, np.ndarray]:
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
     model.set_experts_implementation(original)
-    return ids.numpy(), logits.numpy().astype(np.float32)
+    return ids.numpy(), logits.float().numpy()
 
 
 def _strip(path: pathlib.Path) -> None:
@@ -204,6 +213,12 @@ FIXTURES = {
     "mixtral_tfexport_ortcuda": (mixtral, lambda m, p: export_transformers(m, p, "cuda")),
     "mixtral_legacy_batched": (mixtral, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
     "mixtral_legacy_eager": (mixtral, lambda m, p: export_torch_legacy(m, p, "eager")),
+    "qwen2moe_legacy_shared": (qwen2moe, lambda m, p: export_torch_legacy(m, p, "batched_mm")),
+    "mixtral_dynamo_batched_fp16": (lambda: mixtral().half(), lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
+    "qwen2moe_dynamo_shared_fp16": (lambda: qwen2moe().half(),
+                                    lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
+    "mixtral_dynamo_batched_bf16": (lambda: mixtral().bfloat16(),
+                                    lambda m, p: export_torch_dynamo(m, p, "batched_mm")),
 }
 
 

@@ -91,6 +91,17 @@ def compare(orig, forced, free, eos) -> PromptReport:
     return PromptReport(0, a, t, agree, err, length_match, eos_match, free_report)
 
 
+def runs_one_sequence_only(proto) -> bool:
+    """True when onnxruntime runs the model on one sequence at a time only: an ONNX
+    RotaryEmbedding without position_ids takes cos/sin caches of [B, S, D/2] and ORT wants B to be
+    the input's batch, while torch.onnx computes them [1, S, D/2] (positions from the cache
+    length, shared by the batch). Such an original is decoded one prompt at a time."""
+    for n in proto.graph.node:
+        if n.op_type == "RotaryEmbedding" and n.domain in ("", "ai.onnx") and (len(n.input) < 4 or not n.input[3]):
+            return True
+    return False
+
+
 def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_token_id=None,
            seed: int = 0, progress: bool | None = False, device: str | None = None, providers=None) -> dict:
     """Runs both models on the same prompts; returns the report as a dict (``--json`` prints it).
@@ -123,8 +134,13 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
     if prompts is None:
         prompts = make_prompts(vocab_size(src_orig, providers=providers), seed=seed,
                                avoid=() if eos_token_id is None else (eos_token_id,))
-    a = generate(src_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                 return_logits=True, with_library=False, progress=progress, providers=providers)
+    if runs_one_sequence_only(p_orig):
+        a = [generate(src_orig, [p], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                      return_logits=True, with_library=False, progress=progress, providers=providers)[0]
+             for p in prompts]
+    else:
+        a = generate(src_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                     return_logits=True, with_library=False, progress=progress, providers=providers)
     forced = generate(src_rew, prompts, forced_tokens=[x.tokens for x in a], return_logits=True,
                       progress=progress, providers=providers)
     b = generate(src_rew, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,

@@ -2,7 +2,7 @@
 """PagedAttentionInt8: causal attention over the paged INT8 KV cache (DESIGN.md).
 
 Alphabet: T query tokens, S sequences, Hq query heads, Hkv kv heads (Hq % Hkv == 0), D head dim
-(64, 80, 96, 128 or 256), N cache blocks, B block size (power of two, 8..256), M max blocks per
+(32, 64, 80, 96, 128 or 256; the CUDA EP 64, 128, 256), N cache blocks, B block size (power of two, 8..256), M max blocks per
 sequence.
 
 Inputs:
@@ -47,7 +47,7 @@ from ort_ops.ops._schema import FLOAT_TYPES, Arg, Attr, OpSchema
 from ort_ops.ops.quantize_kv_cache import reference as quantize_kv_cache
 
 OP = "PagedAttentionInt8"
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 GROUP = 32  # tokens per W scale group: the K extent of one INT8 P.V instruction (seed 000)
 PV_LEVELS = {"s8": 127, "u8": 255}
 
@@ -112,7 +112,7 @@ def _check(query, key_cache, value_cache, key_scale, value_scale, block_tables, 
     if dk != d:
         _fail(f"input 'key_cache' must have head_dim {d} (query's), got shape {list(key_cache.shape)}")
     if d not in SUPPORTED_HEAD_DIMS:
-        _fail(f"head_dim must be one of {{64, 80, 96, 128, 256}}, got {d}")
+        _fail(f"head_dim must be one of {{{', '.join(map(str, SUPPORTED_HEAD_DIMS))}}}, got {d}")
     if b < 8 or b > 256 or b & (b - 1):
         _fail(f"block_size (dim 2 of 'key_cache') must be a power of two in 8..256, got {b}")
     if hkv == 0 or hq % hkv:

@@ -111,6 +111,12 @@ PROBE_BATCH = 2
 # a window longer than the probe cannot be seen this way (README: limitations).
 PROBE_SEQ = 6
 PROBE_PAST = 6
+# The second probe (other sizes: what is equal on both is structural, not a size) and the batch
+# both fall back to when a graph runs only one sequence at a time on onnxruntime (the ONNX
+# RotaryEmbedding with a [1, S, D/2] cos/sin cache and no position_ids, as torch.onnx writes
+# it when positions come from the cache length: ORT wants the cache's batch to be the input's).
+PROBE2_BATCH, PROBE2_SEQ, PROBE2_PAST = 3, 7, 9
+PROBE_FALLBACK_BATCH = 1
 
 
 def probe_feeds(model: ir.Model, past_inputs: Sequence[ir.Value], b: int = PROBE_BATCH, s: int = PROBE_SEQ,

@@ -30,9 +30,14 @@ optimum's unrolled per-expert loop (NonZero/Gather/three MatMuls/ScatterElements
 beta 0; QMoE's 8/4-bit codes dequantized, then re-quantized by the rule above). A shared expert
 added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``).
 
-Not handled (declined with a reason): float16/bfloat16 blocks (the probe runs on ORT's CPU
-provider), routers that are not a softmax over a linear projection (e.g. sigmoid scores with a
-selection bias), expert biases, activations other than SiLU-gated, MoE blocks inside subgraphs.
+float16 blocks run the chain on float16 activations (the ops take them) with one Cast of the
+float32 output back to float16; bfloat16 ones are not fused (the probe runs on ORT's CPU
+provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
+and Identities between its GEMM, its Softmax and the TopK.
+
+Not handled (declined with a reason): routers that are not a softmax over a linear projection
+(e.g. sigmoid scores with a selection bias), expert biases, activations other than SiLU-gated, MoE
+blocks inside subgraphs.
 
 Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ
 in dozens of index-plumbing nodes (OneHot/Tile, ScatterElements/CumSum, NonZero, GatherND) and
@@ -86,6 +91,11 @@ _PASS_THROUGH = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatt
 # wrong interpretation (gate/up swapped, a wrong expert order, a transposed weight) is off by
 # O(1). 1e-3 of the output's magnitude separates the two with a wide margin either way.
 PROBE_RTOL = 1e-3
+# A block with float16 activations rounds its intermediates (x @ W, SiLU, the product, the down
+# projection) to 11 significant bits against the float64 reference: 4.3e-4 to 6.8e-4 of the
+# output's magnitude on the float16 fixtures, too close to PROBE_RTOL; a wrong interpretation is
+# still off by O(1), so 2e-2 keeps a wide margin both ways.
+PROBE_RTOL_FP16 = 2e-2
 PROBE_TOKENS = (48, 1, 192)  # a prompt, a single decode token, a longer prompt if experts were missed
 
 
@@ -271,16 +281,28 @@ def _is_last_axis(n: ir.Node, rank_hint: int = 2) -> bool:
 # step 1: router
 
 
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+def _through_casts(node: ir.Node | None) -> ir.Node | None:
+    """The first producer up the chain that is not an Identity or a Cast to a float type: what
+    ``softmax(logits, dtype=float)`` and mixed-precision routers put between the router GEMM,
+    its Softmax and the TopK (they change the scores' precision, never the experts chosen)."""
+    while node is not None and node.domain in ("", "ai.onnx") and (
+            node.op_type == "Identity" or node.op_type == "Cast" and _attr_int(node, "to", 0) in _FLOAT_TYPES):
+        node = node.inputs[0].producer()
+    return node
+
+
 def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
     """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined."""
-    src = topk.inputs[0].producer()
+    src = _through_casts(topk.inputs[0].producer())
     softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
     if softmax_first:
         if not _is_last_axis(src):
             raise _Declined("the router Softmax is not over the expert axis")
         src = src.inputs[0].producer()
-    while src is not None and src.op_type == "Cast":
-        src = src.inputs[0].producer()
+    src = _through_casts(src)
     if src is None:
         raise _Declined("the TopK's scores do not come from a router projection")
     bias = None
@@ -627,11 +649,13 @@ class _Prober:
         return dict(zip(self.names, self.session.run(self.names, feeds)))
 
 
-def _matches(got: np.ndarray, want: np.ndarray) -> bool:
+def _matches(got: np.ndarray, want: np.ndarray, dtype=np.float32) -> bool:
+    """``got`` equals ``want`` (float64) to the probe tolerance of activations of ``dtype``."""
     if got.size != want.size or not np.all(np.isfinite(got)):
         return False
-    got = got.reshape(want.shape)
-    return float(np.max(np.abs(got - want), initial=0)) <= PROBE_RTOL * max(float(np.max(np.abs(want), initial=0)), 1e-6)
+    got = got.astype(np.float64).reshape(want.shape)
+    rtol = PROBE_RTOL_FP16 if dtype == np.float16 else PROBE_RTOL
+    return float(np.max(np.abs(got - want), initial=0)) <= rtol * max(float(np.max(np.abs(want), initial=0)), 1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -686,8 +710,9 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
 def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
     e = cand.num_experts
     x0 = probes[0][cand.x.name]
-    if x0.dtype != np.float32 or x0.ndim != 2:
-        raise _Declined(f"router input is {x0.dtype} of rank {x0.ndim}; only float32 [T, H] blocks are fused")
+    if x0.dtype not in (np.float32, np.float16) or x0.ndim != 2:
+        raise _Declined(f"router input is {x0.dtype} of rank {x0.ndim}; only float32/float16 [T, H] blocks "
+                        "are fused (the INT8 ops take float32/float16 activations)")
     h = x0.shape[1]
     within = _descendant_nodes([cand.hidden])
     last_error = "no post-dominator of the router has the block output's shape"
@@ -729,7 +754,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                     ok = False
                     break
                 shape_ok = True
-                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd)):
+                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd), x.dtype):
                     ok = False
                     break
             if ok:
@@ -828,16 +853,16 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
              _initializer(graph, f"{prefix}/down_scale", dn_s)]
     nodes = []
 
-    def add(op, inputs, num_outputs=1, domain=DOMAIN, **attrs):
+    def add(op, inputs, num_outputs=1, domain=DOMAIN, tag="", **attrs):
         n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs,
-                    name=f"{prefix}/{op}")
+                    name=f"{prefix}/{op}{tag}")
         for j, o in enumerate(n.outputs):
-            o.name = f"{prefix}/{op}_{j}"
+            o.name = f"{prefix}/{op}{tag}_{j}"
         nodes.append(n)
         return n.outputs
 
     ids32 = add("Cast", [ids], domain="", to=int(ir.DataType.INT32))[0]
-    if weights.dtype not in (None, ir.DataType.FLOAT):
+    if weights.dtype not in (None, ir.DataType.FLOAT, ir.DataType.FLOAT16):
         weights = add("Cast", [weights], domain="", to=int(ir.DataType.FLOAT))[0]
     # The token rows are quantized once, before routing; MoeInitRouting gathers the int8 rows and
     # their scales (the same codes as quantizing each gathered copy, K times fewer rows to quantize).
@@ -846,6 +871,8 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
+    if x.dtype == ir.DataType.FLOAT16:  # MoeFinalizeRouting's output is float32 by contract
+        out = add("Cast", [out], domain="", tag="_out", to=int(ir.DataType.FLOAT16))[0]
     nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     return nodes, out, nbytes
 
@@ -898,7 +925,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN") -> dict | None:
+                        weight_layout: str = "EKN", proven_2d: Iterable[tuple] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -907,11 +934,24 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     The match is structural and needs no probe: ``down(silu(x @ Wg) * (x @ Wu))`` with constant
     weights, one input x of rank 2, is exactly what the chain computes before quantization.
     Measured on the Qwen2-MoE fixture: logits rel. L2 vs torch 0.0053 -> 0.0085, shared weights
-    98304 -> 25600 bytes."""
-    for add in _consumers(routed_out):
+    98304 -> 25600 bytes.
+
+    The routed output may reach the Add through a Cast to a float type (the exporters' trace of
+    ``routed.to(dtype)``). The MLP's input qualifies when the graph says it is float [T, H], or
+    when it is one of ``proven_2d`` ((value, dtype) pairs): the router's input or the hidden state
+    it reshapes, which the probe runs showed to be [T, H] (the legacy exporter records no shapes).
+    A float16 MLP gets its float16 output back through a Cast (GroupedMatmulDequant gives float32)."""
+    proven_2d = list(proven_2d)
+    adds = []  # (consumer, the routed value it reads)
+    for n in _consumers(routed_out):
+        if n.op_type == "Cast" and _attr_int(n, "to", 0) in _FLOAT_TYPES:
+            adds += [(c, n.outputs[0]) for c in _consumers(n.outputs[0])]
+        else:
+            adds.append((n, routed_out))
+    for add, routed in adds:
         if add.op_type != "Add" or len(add.inputs) != 2:
             continue
-        s = add.inputs[1] if add.inputs[0] is routed_out else add.inputs[0]
+        s = add.inputs[1] if add.inputs[0] is routed else add.inputs[0]
         mlp_out = s
         p = s.producer()
         if p is not None and p.op_type == "Mul":
@@ -942,14 +982,18 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
                 continue
             x, wg = gp
             wu = up[1]
-            if (x.shape is None or len(x.shape) != 2 or x.dtype != ir.DataType.FLOAT or wu.shape != wg.shape
-                    or wd.shape != (wg.shape[1], wg.shape[0])):
+            proven = next((dt for v, dt in proven_2d if v is x), None)
+            if proven is None and x.shape is not None and len(x.shape) == 2:
+                proven = x.dtype
+            if proven not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
+                    wd.shape != (wg.shape[1], wg.shape[0]):
                 continue
-            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout)
+            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, proven)
     return None
 
 
-def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN") -> dict:
+def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
+                 x_dtype=ir.DataType.FLOAT) -> dict:
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
@@ -971,6 +1015,8 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
     xq, xs = add("DynamicQuant", [x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
+    if x_dtype == ir.DataType.FLOAT16:  # GroupedMatmulDequant's output is float32 by contract
+        y = add("Cast", [y], domain="", to=int(ir.DataType.FLOAT16))[0]
     graph.insert_after(mlp_out.producer(), nodes)
     _replace_value(mlp_out, y)
     return {"intermediate": wg.shape[1], "weight_bytes_before": wg.nbytes + wu.nbytes + wd.nbytes,
@@ -1143,6 +1189,12 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
 
     cands, declined = _candidates(graph)
     result.declined += declined
+    for c in [c for c in cands if c.x.dtype == ir.DataType.BFLOAT16]:
+        # Said before probing: the probe's failure would read like a specialized trace.
+        result.declined.append(Decline(c.topk.name, "bfloat16 block: the INT8 ops take float32/float16 "
+                                       "activations, and onnxruntime's CPU provider has no bfloat16 Mul/MatMul "
+                                       "to run (probe) the model"))
+        cands.remove(c)
     if cands:
         wanted: list[ir.Value] = []
         for c in cands:
@@ -1185,8 +1237,10 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
                 "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
                 "weight_bytes_after": nbytes}
-            shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout)
-                      if shared_int8 else None)
+            proven_2d = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype)) for v in (b.cand.x, b.cand.hidden)
+                         if all(p[v.name].ndim == 2 for p in probes)]
+            shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
+                                          proven_2d=proven_2d) if shared_int8 else None)
             if shared:
                 info["shared_expert"] = shared
                 info["weight_bytes_before"] += shared["weight_bytes_before"]

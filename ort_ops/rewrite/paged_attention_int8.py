@@ -13,10 +13,17 @@ Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py
   (scalar scales, K transposes, repeat_kv, the past Concat) is decoded by helpers shared by
   ``check`` and ``rewrite``.
 * The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph.
+* ``com.microsoft`` ``GroupQueryAttention``: KV-cache graphs (rotary moved in front of the
+  cache) and prefill-only graphs (no past; emitted in the prefill form below, its present
+  outputs the rotated K and the V).
+
+Positions a KV-cache graph computes from the cache length (no position_ids input) are replaced
+by the paged ``position_ids`` (``_positions_from_cache_length``). Graphs that onnxruntime runs on
+batches of one only are probed on one left-padded row. float16 graphs run the ops in float16.
 
 What a match checks: softmax over the key axis, a mask that is causal (and key-padding) -- decided
 by running the original graph on a left-padded probe batch, see ``_graph.py`` -- head counts
-(Hq % Hkv == 0), a supported head_dim (64, 80, 96, 128, 256) and scalar scales. Anything else is
+(Hq % Hkv == 0), a supported head_dim (32, 64, 80, 96, 128, 256) and scalar scales. Anything else is
 declined with a reason and stays as it was.
 
 Rewritten interfaces:
@@ -50,7 +57,7 @@ from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.rewrite import _graph as g
 from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
 
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA EP refuses 32, 80, 96 by name
 PAGED_META_KEY = "ort_ops.paged"
 
 # Names of the paged model's inputs and outputs (README "Rewritten model interface").
@@ -541,6 +548,11 @@ def _fuse_gqa(ctx: _Ctx) -> int:
         except MatchFailureError as e:
             ctx.declines[where] = str(getattr(e, "reason", e))
             continue
+        if not ctx.paged:
+            _emit_gqa_prefill(ctx, node, spec)
+            ctx.forms["com.microsoft.GroupQueryAttention"] = ctx.forms.get("com.microsoft.GroupQueryAttention", 0) + 1
+            count += 1
+            continue
         tape = ir.tape.Tape()
         op = _TapeOp(tape)
         q, k, v, hq, hkv, d, scale, rotary = spec
@@ -556,12 +568,7 @@ def _fuse_gqa(ctx: _Ctx) -> int:
             cos = op.Unsqueeze(op.Gather(cos_cache, pos, axis=0), _ints(op, [1]))  # [T, 1, D/2]
             sin = op.Unsqueeze(op.Gather(sin_cache, pos, axis=0), _ints(op, [1]))
 
-            def rope(x, op=op, cos=cos, sin=sin, d=d):  # rotate_half form: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-                x1, x2 = op.Split(x, _ints(op, [d // 2, d // 2]), axis=-1, _outputs=2)
-                return op.Concat(op.Sub(op.Mul(x1, cos), op.Mul(x2, sin)),
-                                 op.Add(op.Mul(x2, cos), op.Mul(x1, sin)), axis=-1)
-
-            q_THD, k_THD = rope(q_THD), rope(k_THD)
+            q_THD, k_THD = _rotate_half(op, q_THD, cos, sin, d), _rotate_half(op, k_THD, cos, sin, d)
         layer = ctx.past_layer[node.inputs[3]][0]
         caches = [ctx.shared["cache_in"][(layer, p)] for p in CACHE_PARTS]
         outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
@@ -585,6 +592,50 @@ def _fuse_gqa(ctx: _Ctx) -> int:
     return count
 
 
+def _rotate_half(op, x, cos, sin, d: int):
+    """GroupQueryAttention's non-interleaved rotary on x [..., D] with cos/sin broadcastable to
+    [..., D/2]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = op.Split(x, _ints(op, [d // 2, d // 2]), axis=-1, _outputs=2)
+    return op.Concat(op.Sub(op.Mul(x1, cos), op.Mul(x2, sin)), op.Add(op.Mul(x2, cos), op.Mul(x1, sin)), axis=-1)
+
+
+def _emit_gqa_prefill(ctx: _Ctx, node: ir.Node, spec) -> None:
+    """A prefill-only GroupQueryAttention (no past: the graph starts the cache) becomes the
+    prefill form of ``_emit``: Q/K/V [B, S, H*D] -> [B, S, H, D], rotary at the node's own
+    position_ids (indices into its cos/sin caches, which the graph may compute per token),
+    -> [B, H, S, D]; padding comes from the attention_bias the probe classified. The node's
+    present outputs become the rotated K and the V, [B, Hkv, S, D], as GQA writes them."""
+    graph = ctx.model.graph
+    q, k, v, hq, hkv, d, scale, rotary, kind = spec
+    tape = ir.tape.Tape()
+    op = _TapeOp(tape)
+    if k is None:  # packed QKV [B, S, (Hq + 2 Hkv) * D]
+        q, k, v = op.Split(q, _ints(op, [hq * d, hkv * d, hkv * d]), axis=-1, _outputs=3)
+    q_BSHD = op.Reshape(q, _ints(op, [0, 0, hq, d]))
+    k_BSHD = op.Reshape(k, _ints(op, [0, 0, hkv, d]))
+    v_BSHD = op.Reshape(v, _ints(op, [0, 0, hkv, d]))
+    if rotary is not None:
+        cos_cache, sin_cache, pos = rotary
+        cos = op.Unsqueeze(op.Gather(cos_cache, pos, axis=0), _ints(op, [2]))  # [B, S, 1, D/2]
+        sin = op.Unsqueeze(op.Gather(sin_cache, pos, axis=0), _ints(op, [2]))
+        q_BSHD, k_BSHD = _rotate_half(op, q_BSHD, cos, sin, d), _rotate_half(op, k_BSHD, cos, sin, d)
+    to_BHSD = lambda x: op.Transpose(x, perm=[0, 2, 1, 3])
+    k_BHSD, v_BHSD = to_BHSD(k_BSHD), to_BHSD(v_BSHD)
+    a = _Attn(to_BHSD(q_BSHD), k_BHSD, v_BHSD, None, None, hq, hkv, d, scale, kind)
+    o_BHSD = _emit(op, ctx, a)
+    y = op.Reshape(to_BHSD(o_BHSD), _ints(op, [0, 0, hq * d]))
+    graph.insert_before(node, tape.nodes)
+    for old, new in zip(node.outputs, (y, k_BHSD, v_BHSD)):
+        if old is None:
+            continue
+        if old in graph.outputs:
+            name = old.name
+            graph.outputs[graph.outputs.index(old)] = new
+            old.name, new.name = f"{name}_replaced", name
+        old.replace_all_uses_with(new)
+    graph.remove(node, safe=True)
+
+
 def _position_input(ctx: _Ctx) -> ir.Value:
     """The model's position_ids input, or a new one (GQA models derive positions from the past
     length, which a paged model does not have)."""
@@ -599,12 +650,24 @@ def _position_input(ctx: _Ctx) -> ir.Value:
 def _decode_gqa(ctx: _Ctx, node: ir.Node):
     ins = list(node.inputs) + [None] * (12 - len(node.inputs))
     q, k, v, past_k, past_v = ins[:5]
-    if not ctx.paged or past_k not in ctx.past_layer or past_v not in ctx.past_layer:
+    prefill = not ctx.paged
+    if prefill and (past_k is not None or past_v is not None):
+        raise MatchFailureError("GroupQueryAttention reads a past in a model without past inputs")
+    if not prefill and (past_k not in ctx.past_layer or past_v not in ctx.past_layer):
         raise MatchFailureError("GroupQueryAttention without the model's past_key/past_value inputs "
-                                "(prefill-only GQA graphs are not supported)")
-    for i, what in ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink")):
-        if ins[i] is not None and what != "position_ids":
-            raise MatchFailureError(f"GroupQueryAttention with {what} is not supported")
+                                "in a KV-cache model")
+    if ins[11] is not None:
+        raise MatchFailureError("GroupQueryAttention with head_sink is not supported")
+    if ins[10] is not None and not prefill:
+        raise MatchFailureError("GroupQueryAttention with attention_bias is not supported")
+    if prefill:
+        # GQA is causal and hides keys past seqlens_k[b] (right padding); the prefill form reads
+        # padding from attention_mask, so seqlens_k must be the whole length on every probe row
+        # (transformers' exporter writes it so and puts the padding in attention_bias)
+        lens = ctx.probes.get(ins[5].name) if ins[5] is not None else None
+        if lens is None or not np.all(np.asarray(lens) == g.PROBE_SEQ - 1):
+            raise MatchFailureError("prefill GroupQueryAttention whose seqlens_k is not the whole length on "
+                                    "every row (padding through seqlens_k is not supported)")
     a = node.attributes
     get = lambda name, default: a[name].value if name in a else default
     if int(get("local_window_size", -1)) != -1:
@@ -613,9 +676,14 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
     if float(get("softcap", 0.0)) != 0.0 or int(get("smooth_softmax", 0)) != 0 or int(get("qk_output", 0)) != 0:
         raise MatchFailureError("softcap / smooth_softmax / qk_output are not supported")
     hq, hkv = int(get("num_heads", 0)), int(get("kv_num_heads", 0))
-    d = g.dim(past_k, 3)
-    if d is None:
-        d = _dim(ctx, past_k, 3)
+    if prefill:  # D from the query's width: [B, S, Hq*D], or packed [B, S, (Hq + 2 Hkv)*D]
+        width = _dim(ctx, q, 2)
+        heads = hq if k is not None else hq + 2 * hkv
+        d = width // heads if width and heads and width % heads == 0 else None
+    else:
+        d = g.dim(past_k, 3)
+        if d is None:
+            d = _dim(ctx, past_k, 3)
     if not hq or not hkv or d is None:
         raise MatchFailureError(f"head counts/head_dim unknown (num_heads={hq}, kv_num_heads={hkv}, D={d})")
     if d not in SUPPORTED_HEAD_DIMS:
@@ -628,13 +696,25 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         if int(get("rotary_interleaved", 0)):
             raise MatchFailureError("interleaved rotary is not supported")
         cos, sin = ins[7], ins[8]
-        cshape = g.const_array(cos).shape if g.const_array(cos) is not None else None
+        if prefill:
+            # the prefill reads its caches at the node's own position_ids (the graph may compute
+            # both per run, e.g. one cache row per token); without position_ids GQA would read
+            # rows 0 .. S-1 (no past)
+            cshape = _probe_shape(ctx, cos) if cos is not None else None
+            if ins[9] is None:
+                raise MatchFailureError("prefill GroupQueryAttention with rotary but no position_ids")
+        else:
+            cshape = g.const_array(cos).shape if g.const_array(cos) is not None else None
         if cos is None or sin is None or cshape is None or len(cshape) != 2 or cshape[1] * 2 != d:
-            raise MatchFailureError("rotary needs constant cos/sin caches of [max_pos, head_dim/2] (partial rotary is not supported)")
-        rotary = (cos, sin)
+            raise MatchFailureError("rotary needs cos/sin caches of [positions, head_dim/2] ("
+                                    + ("probed" if prefill else "constant") + "; partial rotary is not supported)")
+        rotary = (cos, sin, ins[9]) if prefill else (cos, sin)
     for o in node.outputs[1:3]:
         if o is not None and o.uses():
             raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
+    if prefill:
+        kind = _mask_kind(ins[10], ctx) if ins[10] is not None else "causal"
+        return q, k, v, hq, hkv, d, scale, rotary, kind
     return q, k, v, hq, hkv, d, scale, rotary
 
 
@@ -717,6 +797,8 @@ def _probe_targets(model: ir.Model) -> list[ir.Value]:
                 vals.extend(add.inputs)
         elif node.op_type == "Attention" and len(node.inputs) > 3 and node.inputs[3] is not None:
             vals.append(node.inputs[3])
+        elif node.op_type == "GroupQueryAttention" and len(node.inputs) > 10 and node.inputs[10] is not None:
+            vals.append(node.inputs[10])
         elif node.op_type == "Where" and node.inputs[0] is not None:
             vals.append(node.inputs[0])
     seen, out = set(), []
@@ -798,6 +880,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     # Shapes the graph leaves symbolic (head counts behind dynamic Reshapes) come from the probe.
     names = {t.name for t in targets}
     targets += [v for v in g.all_node_outputs(work) if v.name not in names]
+    batch = g.PROBE_BATCH
     fe = g.probe_feeds(work, list(past))
     if fe is None:
         probe_error = "the graph has inputs other than input_ids/attention_mask/position_ids/past"
@@ -807,9 +890,22 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
             probes = g.run_probe(work, targets, feeds)
         except Exception as e:  # noqa: BLE001 - any failure means: cannot check, decline
             probe_error = f"running the original graph on a probe batch failed ({str(e).splitlines()[0][:200]})"
+            if any(v.dtype == ir.DataType.BFLOAT16 for v in work.graph.initializers.values()):
+                probe_error = ("a bfloat16 model: onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so "
+                               f"the mask cannot be probed (nor the rewritten model run) ({probe_error})")
+            # Some exports run one sequence at a time only (see g.PROBE_FALLBACK_BATCH): probe
+            # them with one left-padded row, which still shows causality and key padding.
+            batch = g.PROBE_FALLBACK_BATCH
+            feeds, probe_mask = g.probe_feeds(work, list(past), b=batch)
+            try:
+                probes = g.run_probe(work, targets, feeds)
+                probe_error = None
+            except Exception:  # noqa: BLE001 - report the batched failure, the first one seen
+                probes = {}
     probes2: dict = {}
     if probes and paged:
-        fe2 = g.probe_feeds(work, list(past), b=3, s=7, past=9)
+        fe2 = g.probe_feeds(work, list(past), b=g.PROBE2_BATCH if batch > 1 else batch,
+                            s=g.PROBE2_SEQ, past=g.PROBE2_PAST)
         try:
             probes2 = g.run_probe(work, targets, fe2[0]) if fe2 else {}
         except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
@@ -855,6 +951,9 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     model.metadata_props.update(work.metadata_props)
     result.fused = fused
     result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms)}
+    if ctx.shared.get("positions_rerouted"):
+        # what the graph computed from the cache length now reads position_ids
+        result.details["positions"] = "position_ids (the graph computed them from the cache length)"
     return result
 
 
@@ -1003,6 +1102,54 @@ def _fold_structural_ints(ctx: _Ctx) -> None:
             out.replace_all_uses_with(const.outputs[0])
 
 
+def _position_layout(arr: np.ndarray, past: int, seq: int) -> str | None:
+    """How ``arr`` holds the positions past .. past+seq-1 of every row: "flat" [S], "rows"
+    [B or 1, S], or None (not positions)."""
+    if arr.dtype not in (np.int64, np.int32) or arr.ndim not in (1, 2) or arr.shape[-1] != seq:
+        return None
+    if not np.array_equal(arr.reshape(-1, seq), np.broadcast_to(np.arange(past, past + seq), (arr.size // seq, seq))):
+        return None
+    return "flat" if arr.ndim == 1 else "rows"
+
+
+def _positions_from_cache_length(ctx: _Ctx) -> None:
+    """Positions a graph computes from the cache length (transformers' cache_position =
+    arange(P, P + S) with P read from a past input's shape, then RoPE) become the paged model's
+    ``position_ids``: each packed token's own position. A value counts as such positions when,
+    downstream of a past input, both probe runs (different P and S) computed exactly
+    arange(P, P + S). The graph gives a left-padded row the positions of its pads too; the
+    paged model gives real positions from 0, which shifts every position of that sequence by
+    the same amount: rotary attention depends only on differences, so the result is unchanged."""
+    if not ctx.probes2:
+        return
+    graph = ctx.model.graph
+    tainted = set(ctx.past_layer)
+    for node in graph:
+        if any(i in tainted for i in node.inputs if i is not None):
+            tainted.update(o for o in node.outputs if o is not None)
+    done = set()
+    for node in list(graph):
+        for out in node.outputs:
+            if out not in tainted or not out.uses() or id(out) in done:
+                continue
+            a, b = ctx.probes.get(out.name), ctx.probes2.get(out.name)
+            if a is None or b is None:
+                continue
+            layout = _position_layout(a, g.PROBE_PAST, g.PROBE_SEQ)
+            if layout is None or _position_layout(b, g.PROBE2_PAST, g.PROBE2_SEQ) != layout:
+                continue
+            tape = ir.tape.Tape()
+            op = _TapeOp(tape)
+            pos = _position_input(ctx)  # int64 [1, T]
+            new = op.Reshape(pos, _ints(op, [-1])) if layout == "flat" else pos
+            if a.dtype != np.int64:
+                new = op.Cast(new, to=ir.DataType.INT32)
+            graph.insert_before(node, tape.nodes)
+            out.replace_all_uses_with(new)
+            done.add(id(out))
+            ctx.shared["positions_rerouted"] = ctx.shared.get("positions_rerouted", 0) + 1
+
+
 def _logits_of_last_tokens(ctx: _Ctx, logits: ir.Value) -> bool:
     """Feeds lm_head only the last new token of each sequence: logits = MatMul(h, W_const)
     [+ bias] becomes MatMul(Gather(h, cu_seqlens_q[1:] - 1, axis=1), W) [1, S, V]. Everything
@@ -1044,6 +1191,7 @@ def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
             graph.outputs.append(v)
     _reroute_past_shapes(ctx)
     _fold_structural_ints(ctx)
+    _positions_from_cache_length(ctx)
     ir.passes.common.RemoveUnusedNodesPass()(ctx.model)
     still_used = [f"{v.name} (by {g.node_names(u.node for u in v.uses())})" for v in ctx.past_layer if v.uses()]
     if still_used:

@@ -6,7 +6,7 @@
 //
 // Design (what each task owns, where scales live):
 // - Validation first, all of it: shapes, dtypes, Hq % Hkv (validate.cc, shared with the CUDA
-//   op); the CPU kernels' limits (head_dim in {64, 80, 96, 128, 256}, block size a power of two
+//   op); the CPU kernels' limits (head_dim in {32, 64, 80, 96, 128, 256}, block size a power of two
 //   8..256); the table values: seq_lens within the block table, every block id a query can
 //   reach within 0..N-1, cu_seqlens_q rising from 0 to T with q_len <= seq_len. After this no
 //   task can read outside the buffers.
@@ -58,8 +58,8 @@ static_assert(pa::kGroup == 32, "partition_size is checked as a multiple of 32")
 
 // What the CPU kernels take (cpu.h): these head dims, power-of-two blocks of 8..256 keys.
 void check_cpu_head_dim_and_block_size(int64_t D, int64_t B) {
-  if (D != 64 && D != 80 && D != 96 && D != 128 && D != 256)
-    fail_unsupported(kOp, "head_dim must be one of {64, 80, 96, 128, 256}, got ", D);
+  if (D != 32 && D != 64 && D != 80 && D != 96 && D != 128 && D != 256)
+    fail_unsupported(kOp, "head_dim must be one of {32, 64, 80, 96, 128, 256}, got ", D);
   if (B < 8 || B > 256 || (B & (B - 1)) != 0)
     fail_unsupported(kOp, "block_size (dim 2 of input 'key_cache') must be a power of two in "
                      "8..256, got ", B);
