@@ -22,9 +22,9 @@ BLOCK = 8
 
 
 @functools.cache
-def _paged_model() -> bytes:
+def _paged_model(block_size: int = BLOCK) -> bytes:
     m, results = rewrite_model(ir.serde.deserialize_model(build_decoder("sdpa", hq=4, hkv=2, seed=5)),
-                               block_size=BLOCK, moe=False)
+                               block_size=block_size, moe=False)
     assert results[0].fused == 2
     return ir.serde.serialize_model(m).SerializeToString()
 

@@ -30,6 +30,7 @@ if not ort_ops.build_info().get("cuda"):
 # fp32 MatMuls in full fp32 (ORT's CUDA EP uses TF32 by default), so the CPU comparison measures
 # the paged kernels and the bindings, not TF32's 10-bit mantissa.
 CUDA_FP32 = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+CUDA_BLOCK = 16  # the CUDA kernels take blocks of 16+ keys (DESIGN.md)
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "attention" / "tx_sdpa_kv.onnx"
 
 
@@ -44,8 +45,8 @@ def _steps(runner, prompts):
 
 def test_cuda_steps_equal_cpu_steps_with_the_cache_on_the_gpu(rng):
     prompts = [list(rng.integers(3, 64, n)) for n in (3, 10, 17, 40)]
-    cpu = PagedRunner(_paged_model(), num_blocks=32)
-    gpu = PagedRunner(_paged_model(), num_blocks=32, providers=CUDA_FP32)
+    cpu = PagedRunner(_paged_model(CUDA_BLOCK), num_blocks=32)
+    gpu = PagedRunner(_paged_model(CUDA_BLOCK), num_blocks=32, providers=CUDA_FP32)
     assert gpu.device == "cuda" and gpu.cache.device == "cuda"
     assert all(v.device_name().lower() == "cuda" for layer in gpu.cache.values for v in layer)
     ptrs = [v.data_ptr() for layer in gpu.cache.values for v in layer]
@@ -57,8 +58,8 @@ def test_cuda_steps_equal_cpu_steps_with_the_cache_on_the_gpu(rng):
 
 def test_cuda_generate_follows_cpu_generate(rng):
     prompts = [list(rng.integers(3, 64, n)) for n in (4, 9, 15, 2)]
-    ref = generate(_paged_model(), prompts, max_new_tokens=8, return_logits=True)
-    out = generate(_paged_model(), prompts, max_new_tokens=8, return_logits=True, providers=CUDA_FP32,
+    ref = generate(_paged_model(CUDA_BLOCK), prompts, max_new_tokens=8, return_logits=True)
+    out = generate(_paged_model(CUDA_BLOCK), prompts, max_new_tokens=8, return_logits=True, providers=CUDA_FP32,
                    forced_tokens=[r.tokens for r in ref], max_step_tokens=16)
     agree = np.mean([a == b for r, o in zip(ref, out) for a, b in zip(r.tokens, o.tokens)])
     assert agree >= ATTN_REWRITE_GREEDY_AGREEMENT, agree
@@ -69,7 +70,7 @@ def test_cuda_generate_follows_cpu_generate(rng):
 def test_bad_block_table_fails_the_step_with_the_ops_error(rng):
     if getattr(ort_ops, "check_device_errors", None) is None:
         pytest.skip("this ort_ops has no check_device_errors")
-    runner = PagedRunner(_paged_model(), num_blocks=8, device="cuda")
+    runner = PagedRunner(_paged_model(CUDA_BLOCK), num_blocks=8, device="cuda")
     runner.step({"a": list(rng.integers(3, 64, 5))})
     good = runner._tables
 
