@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-PAGED_META_KEY = "ort_ops.paged"
+from ort_ops.paged_interface import (  # noqa: E402 - the contract with the rewrite
+    BLOCK_TABLES, CU_SEQLENS_Q, SEQ_LENS, SLOT_MAPPING, cache_shapes, read_metadata)
 
 
 def _load_proto(model, load_external_data: bool = True):
@@ -62,11 +62,7 @@ def _load_proto(model, load_external_data: bool = True):
 
 def paged_metadata(model) -> dict | None:
     """The paged interface description of a model (path, bytes or ModelProto), None if not paged."""
-    proto = _load_proto(model, load_external_data=False)
-    for p in proto.metadata_props:
-        if p.key == PAGED_META_KEY:
-            return json.loads(p.value)
-    return None
+    return read_metadata(_load_proto(model, load_external_data=False))
 
 
 # --- devices ------------------------------------------------------------------------------------
@@ -223,10 +219,7 @@ class PagedKVCache:
         self._nbytes = 0
         for i in range(num_layers):
             hkv, d = layer_dims[i]
-            specs = (((num_blocks, hkv, block_size, d), np.int8),   # key   [N, Hkv, Bs, D]
-                     ((num_blocks, hkv, d, block_size), np.int8),   # value [N, Hkv, D, Bs]
-                     ((num_blocks, hkv, block_size), np.float32),   # key_scale
-                     ((num_blocks, hkv, block_size), np.float32))   # value_scale
+            specs = cache_shapes(num_blocks, hkv, block_size, d)
             self._nbytes += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs)
             if device is None:
                 self.buffers.append(tuple(np.zeros(shape, dt) for shape, dt in specs))
@@ -381,10 +374,10 @@ class PagedRunner:
         named = {
             self.meta["input_ids"]: np.fromiter(itertools.chain.from_iterable(toks_list), np.int64)[None, :],
             self.meta["position_ids"]: pos_T[None, :].astype(np.int64),
-            "slot_mapping": slots_T,
-            "block_tables": bt,
-            "seq_lens": lens.astype(np.int32),
-            "cu_seqlens_q": cu,
+            SLOT_MAPPING: slots_T,
+            BLOCK_TABLES: bt,
+            SEQ_LENS: lens.astype(np.int32),
+            CU_SEQLENS_Q: cu,
         }
         return named, lens.tolist(), cu.tolist()
 

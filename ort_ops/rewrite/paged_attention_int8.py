@@ -44,7 +44,6 @@ Rewritten interfaces:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any
 
@@ -58,22 +57,10 @@ from ort_ops.rewrite import _graph as g
 from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA EP refuses 32, 80, 96 by name
-PAGED_META_KEY = "ort_ops.paged"
-
-# Names of the paged model's inputs and outputs (README "Rewritten model interface").
-SLOT_MAPPING = "slot_mapping"
-BLOCK_TABLES = "block_tables"
-SEQ_LENS = "seq_lens"
-CU_SEQLENS_Q = "cu_seqlens_q"
-CACHE_PARTS = ("key", "value", "key_scale", "value_scale")
-
-
-def cache_input_name(layer: int, part: str) -> str:
-    return f"kv_cache.{layer}.{part}"
-
-
-def cache_output_name(layer: int, part: str) -> str:
-    return f"kv_cache_out.{layer}.{part}"
+# The paged model's inputs, outputs and metadata: the contract with the runtime.
+from ort_ops.paged_interface import (  # noqa: E402
+    BLOCK_TABLES, CACHE_PARTS, CU_SEQLENS_Q, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, STEP_TABLES,
+    cache_input_name, cache_output_name, make_metadata)
 
 
 @dataclasses.dataclass
@@ -987,14 +974,8 @@ def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
     intermediate values have no outside uses); ``_finish_paged`` restores or replaces them."""
     graph = ctx.model.graph
     n_layers = 1 + max(layer for layer, _ in ctx.past_layer.values())
-    new_inputs = {
-        SLOT_MAPPING: (ir.DataType.INT64, ["total_tokens"]),
-        BLOCK_TABLES: (ir.DataType.INT32, ["num_seqs", "max_blocks"]),
-        SEQ_LENS: (ir.DataType.INT32, ["num_seqs"]),
-        CU_SEQLENS_Q: (ir.DataType.INT32, ["num_seqs_plus_1"]),
-    }
-    for name, (dt, shape) in new_inputs.items():
-        v = ir.Value(name=name, type=ir.TensorType(dt), shape=ir.Shape(shape))
+    for name, (dt, shape) in STEP_TABLES.items():
+        v = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(dt)), shape=ir.Shape(list(shape)))
         graph.inputs.append(v)
         ctx.shared[name] = v
     hkv_d = {}
@@ -1216,24 +1197,21 @@ def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
     for o in logits:
         if o.shape is not None and o.shape.rank() == 3:
             o.shape = ir.Shape([1, "num_seqs" if last_only and o is logits[0] else "total_tokens", o.shape[2]])
-    meta = {
-        "version": 1,
-        "num_layers": n_layers,
-        "num_kv_heads": int(ctx.layer_dims[0][0]),
-        "head_dim": int(ctx.layer_dims[0][1]),
-        "layer_dims": [list(map(int, ctx.layer_dims[i])) for i in range(n_layers)],
-        "block_size": ctx.options.block_size,
-        "pv_quant": ctx.options.pv_quant,
-        "qk_quant": ctx.options.qk_quant,
-        "input_ids": ids[0].name,
-        "position_ids": pos[0].name,
-        "logits": logits[0].name if logits else None,
-        # "last": one row per sequence (its last new token); "all": one row per packed token
-        "logits_rows": "last" if last_only else "all",
-        "cache_inputs": [[cache_input_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
-        "cache_outputs": [[cache_output_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
-        "removed_inputs": sorted(v.name for v in ctx.past_layer) + ([am.name] if am is not None else []),
-        "removed_outputs": sorted(present_names),
-    }
-    ctx.model.metadata_props[PAGED_META_KEY] = json.dumps(meta)
+    ctx.model.metadata_props[PAGED_META_KEY] = make_metadata(
+        num_layers=n_layers,
+        num_kv_heads=int(ctx.layer_dims[0][0]),
+        head_dim=int(ctx.layer_dims[0][1]),
+        layer_dims=[list(map(int, ctx.layer_dims[i])) for i in range(n_layers)],
+        block_size=ctx.options.block_size,
+        pv_quant=ctx.options.pv_quant,
+        qk_quant=ctx.options.qk_quant,
+        input_ids=ids[0].name,
+        position_ids=pos[0].name,
+        logits=logits[0].name if logits else None,
+        logits_rows="last" if last_only else "all",
+        cache_inputs=[[cache_input_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
+        cache_outputs=[[cache_output_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
+        removed_inputs=sorted(v.name for v in ctx.past_layer) + ([am.name] if am is not None else []),
+        removed_outputs=sorted(present_names),
+    )
     return None
