@@ -139,12 +139,6 @@ def _zeros_ortvalue(shape, dtype, device: str):
     return value
 
 
-def _dtype_of(elem_type: int):
-    from onnx import helper
-
-    return helper.tensor_dtype_to_np_dtype(elem_type)
-
-
 # --- the cache ---------------------------------------------------------------------------------
 
 

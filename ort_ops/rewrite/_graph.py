@@ -81,25 +81,6 @@ def rank(value: ir.Value) -> int | None:
     return None if value.shape is None else value.shape.rank()
 
 
-def depends_on(value: ir.Value, targets: set[ir.Value], limit: int = 100000) -> set[ir.Value]:
-    """Which of ``targets`` (graph inputs) ``value`` is computed from."""
-    found: set[ir.Value] = set()
-    seen: set[int] = set()
-    stack = [value]
-    while stack and limit > 0:
-        limit -= 1
-        v = stack.pop()
-        if v is None or id(v) in seen:
-            continue
-        seen.add(id(v))
-        if v in targets:
-            found.add(v)
-        node = v.producer()
-        if node is not None:
-            stack.extend(i for i in node.inputs if i is not None)
-    return found
-
-
 def node_names(nodes: Iterable[ir.Node]) -> str:
     return ", ".join(n.name or n.op_type for n in nodes)
 
