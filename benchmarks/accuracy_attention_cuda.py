@@ -28,7 +28,7 @@ import traceback
 
 import torch
 
-from ort_ops import _cuda
+from ort_ops.testing import attention_launchers as _cuda
 
 
 def make_kv(batch, ctx, hkv, d, dist, gen):

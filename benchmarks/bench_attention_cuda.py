@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_timing import capture, evict_l2, flush_buffer, time_interleaved, warm_up
-from ort_ops import _cuda
+from ort_ops.testing import attention_launchers as _cuda
 
 COPY_CEILING_TBS = 4.28
 READ_CEILING_TBS = 4.35

@@ -98,7 +98,7 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from ort_ops._cuda_kernels import GmsqRunner, cuda_unavailable_reason, pack_weight, pack_weight_kmajor
+    from ort_ops.testing.moe_launchers import GmsqRunner, cuda_unavailable_reason, pack_weight, pack_weight_kmajor
 
     reason = cuda_unavailable_reason()
     if reason:

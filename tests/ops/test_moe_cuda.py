@@ -161,7 +161,7 @@ def test_shared_memory_reads_are_bank_conflict_free(warps_n):
 def test_pack_weight_layout(rng):
     """pack_weight (CPU torch is enough) lays tile c's row k out as [A cols | G cols], zero-padded."""
     torch = pytest.importorskip("torch")
-    from ort_ops._cuda_kernels import PACKED_COLS, pack_weight
+    from ort_ops.testing.moe_launchers import PACKED_COLS, pack_weight
 
     e, k, n = 2, 32, 2 * 200  # N/2 = 200: two tiles, the second padded from 72 to 128 columns
     w = rng.integers(-128, 128, (e, k, n), dtype=np.int8)
@@ -178,7 +178,7 @@ def test_pack_weight_layout(rng):
 # ---- GPU tests ----
 
 def _cuda_reason():
-    from ort_ops._cuda_kernels import cuda_unavailable_reason
+    from ort_ops.testing.moe_launchers import cuda_unavailable_reason
 
     return cuda_unavailable_reason()
 
@@ -210,7 +210,7 @@ def _problem(rng, m, k, n, counts, *, tail=0):
 
 
 def _run_cuda(torch, x, w, ws, xs, gl, group_list_type=0, config="auto"):
-    from ort_ops._cuda_kernels import gmsq
+    from ort_ops.testing.moe_launchers import gmsq
 
     dev = torch.device("cuda")
     t = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
@@ -221,7 +221,7 @@ def _run_cuda(torch, x, w, ws, xs, gl, group_list_type=0, config="auto"):
 def _check_gmd_cuda(torch, x, w, ws, xs, gl, config="auto"):
     """GroupedMatmulDequant on the GPU: error word 0, every output written, bit-equal to the
     reference."""
-    from ort_ops._cuda_kernels import gmd
+    from ort_ops.testing.moe_launchers import gmd
 
     dev = torch.device("cuda")
     t = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
@@ -334,7 +334,7 @@ def test_gmsq_cuda_auto_picks_the_stream_kernel_at_decode(torch_cuda, rng, exper
     """Auto dispatch on the contract's layout: the stream kernel pair up to 4 rows an expert on
     average, the tiled kernel above; named by the torch profiler."""
     from benchmarks.bench_moe_cuda import routing
-    from ort_ops._cuda_kernels import GmsqRunner
+    from ort_ops.testing.moe_launchers import GmsqRunner
     from tests.ops.test_moe_kmajor_cuda import _kernel_names
 
     counts = routing(rng, tokens, experts, topk)
@@ -377,7 +377,7 @@ def test_gmsq_cuda_stream_at_the_expert_limit(torch_cuda, rng, config, k):
 def test_gmsq_cuda_stream_refuses_shapes_past_its_workspace(torch_cuda, rng):
     """M * N > 2^24 int32 sums: the forced stream config fails the launch (no workspace was sized
     for it), and auto keeps the tiled kernel there."""
-    from ort_ops._cuda_kernels import gmsq
+    from ort_ops.testing.moe_launchers import gmsq
 
     m, n = 8192, 2816
     x, w, ws, xs, gl = _problem(rng, m, 64, n, [m])
@@ -393,7 +393,7 @@ def test_gmsq_cuda_stream_refuses_shapes_past_its_workspace(torch_cuda, rng):
 @pytest.mark.parametrize("case", ["tail_rows", "deep_k"])
 def test_cuda_packed_weight_layout(torch_cuda, rng, config, dequant, case):
     """The packed B layout (one contiguous weight run per CTA) gives the same bits."""
-    from ort_ops._cuda_kernels import GmsqRunner, pack_weight
+    from ort_ops.testing.moe_launchers import GmsqRunner, pack_weight
 
     # tail_rows: N/2 = 80, a padded, partial 128-column tile.
     m, k, n, counts, tail = CASES[case]
@@ -442,7 +442,7 @@ def test_gmsq_cuda_edge_values(torch_cuda, rng, config):
 @cuda
 @pytest.mark.parametrize("config", ["auto", "stream"])
 def test_gmsq_cuda_reports_bad_group_list_without_faulting(torch_cuda, rng, config):
-    from ort_ops._cuda_kernels import ERR_GROUP_LIST
+    from ort_ops.testing.moe_launchers import ERR_GROUP_LIST
 
     x, w, ws, xs, _ = _problem(rng, 50, 64, 64, [50])
     for gl in ([30, 10, 50], [10, 20, 500], [-5, 10, 20]):
@@ -460,7 +460,7 @@ def test_gmsq_cuda_reports_bad_group_list_without_faulting(torch_cuda, rng, conf
 @cuda
 @pytest.mark.parametrize("config", ["auto", "stream"])
 def test_gmsq_cuda_reports_non_finite(torch_cuda, rng, config):
-    from ort_ops._cuda_kernels import ERR_NON_FINITE
+    from ort_ops.testing.moe_launchers import ERR_NON_FINITE
 
     x, w, ws, xs, gl = _problem(rng, 20, 64, 64, [20])
     xs[3] = np.inf
@@ -476,7 +476,7 @@ def test_gmsq_cuda_reports_non_finite(torch_cuda, rng, config):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("smooth", [False, True])
 def test_dynamic_quant_cuda_matches_reference(torch_cuda, rng, shape, dtype, smooth):
-    from ort_ops._cuda_kernels import dynamic_quant
+    from ort_ops.testing.moe_launchers import dynamic_quant
 
     x = (rng.standard_normal(shape) * rng.uniform(0.01, 100)).astype(dtype)
     x.reshape(-1, shape[-1])[0] = 0  # an all-zero row: scale 0, codes 0
@@ -492,7 +492,7 @@ def test_dynamic_quant_cuda_matches_reference(torch_cuda, rng, shape, dtype, smo
 
 @cuda
 def test_dynamic_quant_cuda_ties_and_non_finite(torch_cuda):
-    from ort_ops._cuda_kernels import DQ_ERR_NON_FINITE, dynamic_quant
+    from ort_ops.testing.moe_launchers import DQ_ERR_NON_FINITE, dynamic_quant
 
     ties = np.array([127.0, 0.5, 1.5, 2.5, -2.5, 126.5, -126.5], np.float32)[None, :]
     y, sc, err = dynamic_quant(torch_cuda.from_numpy(ties).cuda())
@@ -509,7 +509,7 @@ def test_dynamic_quant_cuda_ties_and_non_finite(torch_cuda):
                                      (0, 2, 16, 4), (1000, 2, 2048, 8)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_moe_init_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, e, dtype):
-    from ort_ops._cuda_kernels import moe_init_routing
+    from ort_ops.testing.moe_launchers import moe_init_routing
 
     x = rng.standard_normal((m, h)).astype(dtype)
     ids = np.array([rng.permutation(e)[:k] if k <= e else rng.integers(0, e, k) for _ in range(m)],
@@ -524,7 +524,7 @@ def test_moe_init_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, e, dt
 
 @cuda
 def test_moe_init_routing_cuda_flags_bad_ids(torch_cuda, rng):
-    from ort_ops._cuda_kernels import INIT_ERR_BAD_EXPERT, moe_init_routing
+    from ort_ops.testing.moe_launchers import INIT_ERR_BAD_EXPERT, moe_init_routing
 
     x = rng.standard_normal((4, 16)).astype(np.float32)
     ids = np.array([[0, 1], [2, 8], [3, -1], [1, 0]], np.int32)
@@ -537,7 +537,7 @@ def test_moe_init_routing_cuda_flags_bad_ids(torch_cuda, rng):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_moe_finalize_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, dtype, with_residual):
-    from ort_ops._cuda_kernels import moe_finalize_routing
+    from ort_ops.testing.moe_launchers import moe_finalize_routing
 
     eo = rng.standard_normal((m * k, h)).astype(dtype)
     s2f = rng.permutation(m * k).astype(np.int32)
@@ -551,7 +551,7 @@ def test_moe_finalize_routing_cuda_matches_reference(torch_cuda, rng, m, k, h, d
 
 @cuda
 def test_moe_finalize_routing_cuda_flags_non_permutation(torch_cuda, rng):
-    from ort_ops._cuda_kernels import FINALIZE_ERR_NOT_PERMUTATION, moe_finalize_routing
+    from ort_ops.testing.moe_launchers import FINALIZE_ERR_NOT_PERMUTATION, moe_finalize_routing
 
     eo = torch_cuda.ones((6, 4), device="cuda")
     tw = torch_cuda.ones((3, 2), device="cuda")
@@ -564,7 +564,7 @@ def test_moe_finalize_routing_cuda_flags_non_permutation(torch_cuda, rng):
 def test_moe_chain_on_gpu_matches_reference_chain(torch_cuda, rng):
     """InitRouting -> DynamicQuant -> GMSQ -> GMD -> FinalizeRouting, all on the GPU with no host
     round trip in between, against the same chain of numpy references: bit for bit."""
-    from ort_ops._cuda_kernels import dynamic_quant, gmd, gmsq, moe_finalize_routing, moe_init_routing
+    from ort_ops.testing.moe_launchers import dynamic_quant, gmd, gmsq, moe_finalize_routing, moe_init_routing
 
     m, hid, inter, e, k = 50, 256, 160, 8, 2
     x = rng.standard_normal((m, hid)).astype(np.float32)

@@ -151,7 +151,7 @@ torch_cuda = _moe.torch_cuda  # the fixture: skips without torch, a GPU or a CUD
 
 def _run_km(torch, x, w, ws, xs, gl, config, group_list_type=0):
     """weight_layout 2 on NaN/0x55-poisoned outputs: (y, y_scale, y_offset), err."""
-    from ort_ops._cuda_kernels import GmsqRunner, pack_weight_kmajor
+    from ort_ops.testing.moe_launchers import GmsqRunner, pack_weight_kmajor
 
     dev = torch.device("cuda")
     t = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
@@ -190,7 +190,7 @@ def test_gmsq_kmajor_matches_reference(torch_cuda, rng, case, config):
 @pytest.mark.parametrize("config", ["bm16", "bm64", "stream"])
 def test_gmsq_kmajor_counts_and_errors(torch_cuda, rng, config):
     """group_list_type 1, a bad group_list (error word, no fault), a non-finite x_scale."""
-    from ort_ops._cuda_kernels import ERR_GROUP_LIST, ERR_NON_FINITE
+    from ort_ops.testing.moe_launchers import ERR_GROUP_LIST, ERR_NON_FINITE
 
     counts = [40, 0, 1, 90, 3, 0, 17, 60]
     m = sum(counts) + 5
@@ -228,7 +228,7 @@ def test_gmsq_layout2_auto_dispatch(torch_cuda, rng, experts, topk, tokens):
     the SMs); bit-exact either way (at 4096 tokens against the reference on the first two
     experts' rows: rows are independent)."""
     from benchmarks.bench_moe_cuda import routing
-    from ort_ops._cuda_kernels import GmsqRunner, pack_weight_kmajor
+    from ort_ops.testing.moe_launchers import GmsqRunner, pack_weight_kmajor
 
     torch = torch_cuda
     counts = routing(rng, tokens, experts, topk)

@@ -20,7 +20,7 @@ from tests.ops.test_moe_cuda import _assert_exact, _problem
 def test_pack_weight_kmajor_layout(rng):
     """pack_weight_kmajor (CPU torch is enough) is the per-expert transpose [E, K, N] -> [E, N, K]."""
     torch = pytest.importorskip("torch")
-    from ort_ops._cuda_kernels import pack_weight_kmajor
+    from ort_ops.testing.moe_launchers import pack_weight_kmajor
 
     w = rng.integers(-128, 128, (3, 48, 80), dtype=np.int8)
     p = pack_weight_kmajor(torch.from_numpy(w)).numpy()
@@ -30,7 +30,7 @@ def test_pack_weight_kmajor_layout(rng):
 
 @pytest.fixture
 def torch_sm90():
-    from ort_ops._cuda_kernels import cuda_unavailable_reason
+    from ort_ops.testing.moe_launchers import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason:
@@ -46,7 +46,7 @@ def torch_sm90():
 def _run_wgmma(torch, x, w, ws, xs, gl, group_list_type=0):
     """Launch with weight_layout 2, config bm128 (the wgmma kernel at any M; auto picks the mma.sync
     K-major path at small M: test_moe_kmajor_cuda.py) on NaN/0x55-poisoned outputs."""
-    from ort_ops._cuda_kernels import GmsqRunner, pack_weight_kmajor
+    from ort_ops.testing.moe_launchers import GmsqRunner, pack_weight_kmajor
 
     dev = torch.device("cuda")
     t = [torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in (x, w, ws, xs, gl)]
@@ -164,7 +164,7 @@ def test_gmsq_wgmma_wide_outputs(torch_sm90, rng):
 
 @pytest.mark.cuda
 def test_gmsq_wgmma_reports_errors(torch_sm90, rng):
-    from ort_ops._cuda_kernels import ERR_GROUP_LIST, ERR_NON_FINITE
+    from ort_ops.testing.moe_launchers import ERR_GROUP_LIST, ERR_NON_FINITE
 
     x, w, ws, xs, _ = _problem(rng, 50, 64, 64, [50])
     for gl in ([30, 10, 50], [10, 20, 500], [-5, 10, 20]):

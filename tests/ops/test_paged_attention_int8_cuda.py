@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: MIT
 """QuantizeKVCache and PagedAttentionInt8 CUDA kernels against ort_ops.reference.
 
-The launchers run through ctypes (ort_ops._cuda) on torch CUDA tensors; every test is
+The launchers run through ctypes (ort_ops.testing.attention_launchers) on torch CUDA tensors; every test is
 ``@pytest.mark.cuda`` and skips with the reason when torch, a GPU or a CUDA build is missing.
 QuantizeKVCache codes and scales are bit-exact. PagedAttentionInt8 outputs are within the
 bounds in tests/tolerances.py (why: the kernel's exp and summation order differ from numpy's,
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ort_ops import reference
-from ort_ops._cuda import cuda_unavailable_reason
+from ort_ops.testing.attention_launchers import cuda_unavailable_reason
 from ort_ops.ops.paged_attention_int8 import build_paged_cache
 from tests.ops.device_errors import assert_reported_both_ways
 from tests.tolerances import (
@@ -37,7 +37,7 @@ if _WHY is not None:
 # Imported only after the skip: CI has no torch with CUDA.
 import torch
 
-from ort_ops import _cuda
+from ort_ops.testing import attention_launchers as _cuda
 
 
 def _dev(a):

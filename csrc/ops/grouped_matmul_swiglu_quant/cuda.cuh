@@ -60,7 +60,7 @@ struct GmsqParams {
   float* y_float = nullptr;  // GroupedMatmulDequant's y [M, N] (launch_gmd only)
   // 0: weight [E, K, N] (the contract). 1: packed per 128-column tile, [E, C, K, 256] with
   // C = ceil(N/2 / 128) and row k of tile c = W[k, 128c .. +128) | W[k, N/2 + 128c .. +128),
-  // zero-padded past N/2 (ort_ops._cuda_kernels.pack_weight). Configs bm16w, bm64, bm128 only.
+  // zero-padded past N/2 (ort_ops.testing.moe_launchers.pack_weight). Configs bm16w, bm64, bm128 only.
   // 2: [E, N, K] (K-major; launch_gmsq only): config bm128 is the Hopper wgmma kernel
   // (cuda_wgmma.cuh), bm16 / bm16w / bm32 / bm64 this kernel with ldmatrix B reads, stream the
   // K-major weight stream (cuda_stream.cuh); auto picks the stream up to 4 rows an expert on

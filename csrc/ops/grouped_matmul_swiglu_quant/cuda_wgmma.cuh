@@ -5,7 +5,7 @@
 // launch_gmsq runs the mma.sync kernel's K-major path, cuda.cu, which also runs on sm_80).
 //
 // Weight layout 2 (K-major): weight int8 [E, N, K], i.e. the contract's [E, K, N] transposed per
-// expert (ort_ops._cuda_kernels.pack_weight_kmajor). 8-bit wgmma takes its B operand only
+// expert (ort_ops.testing.moe_launchers.pack_weight_kmajor). 8-bit wgmma takes its B operand only
 // K-major from shared memory; the kernel's TMA loads apply the 128-byte swizzle itself, so the
 // global layout needs no tile packing. Every other input and output is GmsqParams' (cuda.cuh),
 // same semantics, same error word, same workspace (gmsq_workspace_bytes).
