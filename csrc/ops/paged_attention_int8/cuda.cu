@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda/launch.cuh"
 #include "ops/paged_attention_int8/cuda.cuh"
 #include "ops/paged_attention_int8/cuda_device.cuh"
 #include "ops/paged_attention_int8/cuda_prefill.cuh"
@@ -1180,27 +1181,11 @@ cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int6
   auto kernel = vrows ? decode_warp_kernel<D, PV, DW, NS, true> : decode_warp_kernel<D, PV, DW, NS, false>;
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::BYTES);
   if (attr != cudaSuccess) return attr;
-  // A programmatic dependent launch where the GPU has it (sm_90), while a CUDA graph is being
-  // captured: on replay the grid becomes resident while the previous kernel drains instead of
-  // after it (the kernel waits before reading anything). Eager launches, bound by the host's
-  // launch rate at small batches, gain nothing from it and keep the plain launch.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusActive ||
-      sm_major() < 9) {
-    kernel<<<static_cast<unsigned>(ctas), 32 * DW, C::BYTES, stream>>>(p, ts);
-    return cudaGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(ctas));
-  cfg.blockDim = dim3(32 * DW);
-  cfg.dynamicSmemBytes = C::BYTES;
-  cfg.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p, ts);
+  // While a CUDA graph is captured, a programmatic dependent of the previous kernel (cuda/launch.cuh).
+  if (cuda_util::dependent_launch_pays(stream))
+    return cuda_util::launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), dim3(32 * DW), C::BYTES, stream, p, ts);
+  kernel<<<static_cast<unsigned>(ctas), 32 * DW, C::BYTES, stream>>>(p, ts);
+  return cudaGetLastError();
 }
 
 template <int D, PvQuant PV>

@@ -5,6 +5,7 @@
 // __fmul_rn: no FMA contraction, no approximate division), so the codes are bit-exact.
 #include <cuda_fp16.h>
 
+#include "cuda/launch.cuh"
 #include "ops/quantize_kv_cache/cuda.cuh"
 
 namespace ort_ops {
@@ -147,30 +148,14 @@ cudaError_t launch_quantize_kv_cache(const QuantizeKvCacheParams& p, cudaStream_
   constexpr int kThreads = 256;
   const int64_t blocks = (nvec * 32 + kThreads - 1) / kThreads;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  // Decode-sized launches (the in-kernel slot check) captured into a CUDA graph overlap their start
-  // with the previous kernel's tail on sm_90 (eager launches keep the plain launch: see launch_warp
-  // in paged_attention_int8/cuda.cu); the check-kernel path is already ordered behind its own
-  // launches.
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  int device = 0, major = 0;
-  const bool pdl = p.num_tokens <= kQkvInlineCheckMax && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-                   capture == cudaStreamCaptureStatusActive && cudaGetDevice(&device) == cudaSuccess &&
-                   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                   major >= 9;
-  if (!pdl) {
-    quantize_kv_cache_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, quantize_kv_cache_kernel, p);
+  // Decode-sized launches (the in-kernel slot check) captured into a CUDA graph are programmatic
+  // dependents of the previous kernel (cuda/launch.cuh); the check-kernel path is already ordered
+  // behind its own launches.
+  if (p.num_tokens <= kQkvInlineCheckMax && cuda_util::dependent_launch_pays(stream))
+    return cuda_util::launch_dependent(quantize_kv_cache_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                                       stream, p);
+  quantize_kv_cache_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace ort_ops
