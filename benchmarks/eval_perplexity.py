@@ -277,7 +277,8 @@ def held_out_prompts(stream: np.ndarray, count: int = 4, length: int = 64) -> li
 
 
 def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, block_size: int,
-             threads: int | None, agreement: int, peers=(), calib_windows: int = 8, log=print) -> dict:
+             threads: int | None, agreement: int, peers=(), calib_windows: int = 8, only=MODEL_NAMES,
+             log=print) -> dict:
     stream = np.load(models_dir / "eval_tokens.npy")
     manifest_path = models_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
@@ -285,7 +286,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
               "heldout_tokens": int(stream.size), "windows": windows, "score": score, "block_size": block_size,
               "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="eval_ppl_"))
-    for name in MODEL_NAMES:
+    for name in only:
         path = models_dir / f"{name}.onnx"
         if not path.is_file():
             continue
@@ -381,6 +382,7 @@ def format_table(report: dict, contexts) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", required=True, help="directory written by graphs/train_models.py")
+    ap.add_argument("--only", default=",".join(MODEL_NAMES), help="models to evaluate (those present)")
     ap.add_argument("--contexts", default="512,2048,4096")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--score", type=int, default=128, help="scored (decoded) tokens at the end of each window")
@@ -409,7 +411,7 @@ def main(argv=None) -> int:
         return 2
     report = evaluate(models_dir, contexts=contexts, windows=args.windows, score=args.score, variants=variants,
                       block_size=args.block_size, threads=args.threads, agreement=args.agreement, peers=peers,
-                      calib_windows=args.calib_windows,
+                      calib_windows=args.calib_windows, only=[n for n in args.only.split(",") if n],
                       log=lambda s: print(s, file=sys.stderr, flush=True))
     print(format_table(report, contexts))
     if args.json:

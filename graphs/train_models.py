@@ -210,7 +210,9 @@ def train(kind: str, cfg: Config, train_stream: np.ndarray, eval_stream: np.ndar
 
     torch.manual_seed(seed)
     model = build_model(kind, cfg).to(device)
-    model.config._attn_implementation = "sdpa" if device.type == "cpu" else "eager"
+    # CUDA: eager attention, whose backward is deterministic (sdpa's fused backward kernels are
+    # not); the CPU's sdpa is the math path, deterministic and faster than eager there.
+    model.set_attn_implementation("sdpa" if device.type == "cpu" else "eager")
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -218,7 +220,7 @@ def train(kind: str, cfg: Config, train_stream: np.ndarray, eval_stream: np.ndar
                             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     rng = np.random.default_rng(seed)
     batches = _batches(train_stream, cfg, rng)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     history = []
     for step in range(cfg.steps):
         for g in opt.param_groups:
@@ -231,12 +233,15 @@ def train(kind: str, cfg: Config, train_stream: np.ndarray, eval_stream: np.ndar
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == cfg.steps - 1:
-            history.append((step, float(out.loss)))
-            log(f"  {kind} step {step:5d}/{cfg.steps} loss {float(out.loss):.3f} ({time.time() - t0:.0f} s)")
+            loss = float(out.loss.detach())
+            history.append((step, loss))
+            log(f"  {kind} step {step:5d}/{cfg.steps} loss {loss:.3f} ({time.time() - t0:.0f} s)", flush=True)
     model = model.float().cpu().eval()
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")  # the form export_fixtures exports
     ev = eval_loss(model, eval_stream, min(cfg.seq, 512), 8, torch.device("cpu"))
-    return model, {"train_seconds": round(time.time() - t0, 1), "loss_history": history,
+    # CPU seconds too: on a shared machine the wall time says more about the neighbours.
+    return model, {"train_seconds": round(time.time() - t0, 1),
+                   "train_cpu_seconds": round(time.process_time() - c0, 1), "loss_history": history,
                    "final_train_loss": history[-1][1], "heldout_nll_torch_fp32": ev,
                    "heldout_ppl_torch_fp32": math.exp(ev), "heldout_eval_window": min(cfg.seq, 512),
                    "parameters": sum(p.numel() for p in model.parameters())}
@@ -277,6 +282,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="override the config's training steps")
     ap.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda")
     args = ap.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows up in logs of long runs
     cfg = TINY if args.tiny else FULL
     if args.steps:
         cfg = dataclasses.replace(cfg, steps=args.steps)
