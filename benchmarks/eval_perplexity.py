@@ -13,7 +13,10 @@ Protocol, per context length L: W windows of L consecutive held-out tokens (wind
 token w * L of the stream). Each window's last ``--score`` tokens are scored: the model sees the
 first L - score tokens (prefill) and then, teacher-forced, one true token per step (decode), and
 the negative log-likelihood of every true next token from position L - score on is summed.
-Perplexity = exp(mean NLL) over all W * score predictions.
+Perplexity = exp(mean NLL) over all W * score predictions. Each variant's change is reported with
+the paired standard error of its mean NLL change over those predictions (x 100: in % of
+perplexity, since d ppl / ppl ~ d NLL): a change within about two of them is not resolved by
+this much text.
 
   float      the exported model on stock onnxruntime (CPU EP, fp32): one forward over the whole
              window with an empty past (the same predictions as prefill + decode, no cache
@@ -154,6 +157,17 @@ def perplexity(nll: np.ndarray) -> float:
     return float(math.exp(float(np.mean(nll))))
 
 
+def compare_to_float(nll: np.ndarray, ref_nll: np.ndarray) -> dict:
+    """A variant's NLLs against the float original's on the same predictions: perplexity, its
+    change in %, and the paired standard error of the mean NLL change (how far the change is
+    from what the per-token differences would give by chance: |delta_nll| / se)."""
+    d = (nll - ref_nll).ravel()
+    ppl = perplexity(nll)
+    se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else float("nan")
+    return {"ppl": ppl, "nll": float(nll.mean()), "delta_pct": 100.0 * (ppl / perplexity(ref_nll) - 1.0),
+            "delta_nll": float(d.mean()), "delta_nll_se": se}
+
+
 def make_variant(model_path: Path, label: str, out_dir: Path, block_size: int):
     """Rewrites ``model_path`` as ``VARIANTS[label]`` into out_dir; returns (path, paged, fused
     counts {kind: n}) or (None, False, counts) when a needed fusion matched nothing."""
@@ -292,10 +306,12 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
             continue
         log(f"{name}: float original")
         entry = {"float": {}}
+        float_nll = {}
         for ctx in contexts:
             win = eval_windows(stream, ctx, windows)
             t = time.time()
             nll = score_dense(str(path), win, min(score, ctx - 1), threads=threads)
+            float_nll[ctx] = nll
             entry["float"][str(ctx)] = {"ppl": perplexity(nll), "nll": float(nll.mean()), "windows": int(win.shape[0]),
                                         "seconds": round(time.time() - t, 1)}
         for label in variants:
@@ -312,10 +328,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
                 t = time.time()
                 nll = (score_paged(str(rew), win, s, block_size=block_size, threads=threads) if paged else
                        score_dense(str(rew), win, s, with_library=True, threads=threads))
-                ppl = perplexity(nll)
-                ref = entry["float"][str(ctx)]["ppl"]
-                res[str(ctx)] = {"ppl": ppl, "nll": float(nll.mean()), "delta_pct": 100.0 * (ppl / ref - 1.0),
-                                 "seconds": round(time.time() - t, 1)}
+                res[str(ctx)] = {**compare_to_float(nll, float_nll[ctx]), "seconds": round(time.time() - t, 1)}
             if agreement:
                 from ort_ops.verify import verify
 
@@ -348,9 +361,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
             for ctx in contexts:
                 win = eval_windows(stream, ctx, windows)
                 nll = score_dense(str(emu), win, min(score, ctx - 1), threads=threads)
-                ppl = perplexity(nll)
-                ref = entry["float"][str(ctx)]["ppl"]
-                res[str(ctx)] = {"ppl": ppl, "nll": float(nll.mean()), "delta_pct": 100.0 * (ppl / ref - 1.0)}
+                res[str(ctx)] = compare_to_float(nll, float_nll[ctx])
             entry["peer " + label] = res
         report["models"][name] = entry
     return report
@@ -360,7 +371,8 @@ def format_table(report: dict, contexts) -> str:
     lines = []
     for name, entry in report["models"].items():
         lines.append(f"\n{name} ({report.get('config')}, seed {report.get('seed')}): perplexity on "
-                     f"{report['windows']} held-out windows x last {report['score']} tokens")
+                     f"{report['windows']} held-out windows x last {report['score']} tokens; (change vs float "
+                     "+- its paired standard error, both in % of perplexity)")
         head = "| variant | " + " | ".join(f"ctx {c}" for c in contexts) + " | greedy agreement (teacher-forced / free) |"
         lines += [head, "|" + "---|" * (len(contexts) + 2)]
         for label, res in entry.items():
@@ -372,7 +384,7 @@ def format_table(report: dict, contexts) -> str:
                 elif label == "float":
                     cells.append(f"{r['ppl']:.3f}")
                 else:
-                    cells.append(f"{r['ppl']:.3f} ({r['delta_pct']:+.2f} %)")
+                    cells.append(f"{r['ppl']:.3f} ({r['delta_pct']:+.2f} % +- {100 * r['delta_nll_se']:.2f})")
             ag = res.get("agreement")
             agc = f"{ag['teacher_forced']:.3f} / {ag['free_running']:.3f}" if ag else ""
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {agc} |")

@@ -42,6 +42,14 @@ def test_token_nll_is_cross_entropy():
     assert np.isfinite(ev.token_nll(np.array([[1e4, 0.0]]), np.array([1]))).all()
 
 
+def test_compare_to_float_is_paired():
+    ref = np.array([[1.0, 2.0], [3.0, 4.0]])
+    r = ev.compare_to_float(ref + np.array([[0.1, 0.3], [0.1, 0.3]]), ref)
+    assert math.isclose(r["delta_nll"], 0.2) and math.isclose(r["delta_nll_se"], np.std([0.1, 0.3, 0.1, 0.3], ddof=1) / 2)
+    assert math.isclose(r["delta_pct"], 100 * (math.exp(0.2) - 1))
+    assert math.isclose(r["ppl"], math.exp(2.7))
+
+
 def test_windows_are_consecutive_and_bounded():
     s = np.arange(1000)
     w = ev.eval_windows(s, 300, 5)
