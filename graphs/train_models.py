@@ -92,7 +92,7 @@ TINY = Config(name="tiny", vocab=2048, hidden=128, layers=2, heads=2, kv_heads=1
               shared_mlp=256, experts=8, top_k=2, seq=512, batch=4, steps=280, lr=3e-3, warmup=20,
               with_tests=False)
 FULL = Config(name="full", vocab=8192, hidden=512, layers=8, heads=8, kv_heads=2, mlp=1536, expert_mlp=512,
-              shared_mlp=1024, experts=8, top_k=2, seq=2048, batch=32, steps=2000, lr=1e-3, warmup=100,
+              shared_mlp=1024, experts=8, top_k=2, seq=2048, batch=32, steps=1000, lr=1e-3, warmup=100,
               with_tests=True)
 HEAD_DIM = 64
 
@@ -329,6 +329,8 @@ def main(argv=None) -> int:
         print(f"training {kind} ({cfg.name}) on {device}")
         model, info = train(kind, cfg, train_stream, eval_stream, args.seed, device)
         torch.save(model.state_dict(), out / f"{kind}.pt")
+        # Two runs with one seed must give these same bytes (the determinism check).
+        info["weights_sha256"] = _sha(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values()))
         export(model, kind, out / f"{kind}.onnx")
         info["onnx_bytes"] = (out / f"{kind}.onnx").stat().st_size
         manifest["models"][kind] = info
