@@ -84,15 +84,21 @@ def _model(attn_implementation: str = "sdpa"):
     return LlamaForCausalLM(_config(attn_implementation)).eval()
 
 
-def _sample(with_past: bool, batch: int = 2, seq: int = 3, past: int = 4):
+def _sample(with_past: bool, batch: int = 2, seq: int = 3, past: int = 4, config=None):
+    """Example inputs for the exporters; ``config`` (a transformers config) gives the vocabulary
+    and cache dims, the fixtures' constants when None."""
     import torch
 
-    ids = torch.randint(3, VOCAB, (batch, seq))
+    vocab = config.vocab_size if config is not None else VOCAB
+    layers = config.num_hidden_layers if config is not None else NUM_LAYERS
+    kv_heads = config.num_key_value_heads if config is not None else KV_HEADS
+    head_dim = config.head_dim if config is not None else HEAD_DIM
+    ids = torch.randint(3, vocab, (batch, seq))
     p = past if with_past else 0
     mask = torch.ones(batch, p + seq, dtype=torch.int64)
     pos = torch.arange(p, p + seq).expand(batch, seq).contiguous()
-    kv = [(torch.randn(batch, KV_HEADS, p, HEAD_DIM), torch.randn(batch, KV_HEADS, p, HEAD_DIM))
-          for _ in range(NUM_LAYERS)] if with_past else []
+    kv = [(torch.randn(batch, kv_heads, p, head_dim), torch.randn(batch, kv_heads, p, head_dim))
+          for _ in range(layers)] if with_past else []
     return ids, mask, pos, kv
 
 
@@ -114,14 +120,14 @@ class _FlatDecoder:
                 cache = None
                 if with_past:
                     cache = DynamicCache(config=model.config)
-                    for i in range(NUM_LAYERS):
+                    for i in range(model.config.num_hidden_layers):
                         cache.update(past[2 * i], past[2 * i + 1], i)
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, past_key_values=cache, use_cache=with_past)
                 if not with_past:
                     return out.logits
                 flat = [out.logits]
-                for i in range(NUM_LAYERS):
+                for i in range(model.config.num_hidden_layers):
                     layer = out.past_key_values.layers[i]
                     flat += [layer.keys, layer.values]
                 return tuple(flat)
@@ -134,14 +140,36 @@ class _FlatDecoder:
         return Flat() if with_positions else FlatNoPositions()
 
 
-def _io_names(with_past: bool, past_fmt: str, present_fmt: str, with_positions: bool = True):
+def _io_names(with_past: bool, past_fmt: str, present_fmt: str, with_positions: bool = True,
+              num_layers: int = NUM_LAYERS):
     ins = ["input_ids", "attention_mask"] + (["position_ids"] if with_positions else [])
     outs = ["logits"]
     if with_past:
-        for i in range(NUM_LAYERS):
+        for i in range(num_layers):
             ins += [past_fmt.format(i=i, kv="key"), past_fmt.format(i=i, kv="value")]
             outs += [present_fmt.format(i=i, kv="key"), present_fmt.format(i=i, kv="value")]
     return ins, outs
+
+
+def export_dynamo(model, out: Path, *, opset: int = 20, with_past: bool = True) -> None:
+    """torch.onnx.export(dynamo=True) of a transformers causal LM in the ``dynamo_sdpa_kv`` form:
+    flat inputs (input_ids, attention_mask, position_ids, past_key_values.{i}.key/value) and
+    outputs (logits, present.{i}.key/value), every dim but the heads' dynamic, dims and layer
+    count from the model's config. graphs/train_models.py exports its trained models with it."""
+    import torch
+
+    ids, mask, pos, kv = _sample(with_past, config=model.config)
+    flat = _FlatDecoder(model, with_past).eval()
+    args = (ids, mask, pos, *[t for pair in kv for t in pair])
+    layers = model.config.num_hidden_layers
+    ins, outs = _io_names(with_past, "past_key_values.{i}.{kv}", "present.{i}.{kv}", True, layers)
+    auto = torch.export.Dim.AUTO  # torch.export finds the relations (total = past + seq) itself
+    shapes = [{0: auto, 1: auto}] * 3
+    if with_past:
+        shapes.append(tuple([{0: auto, 2: auto}] * (2 * layers)))  # *past: one (nested) argument
+    prog = torch.onnx.export(flat, args, input_names=ins, output_names=outs, dynamo=True,
+                             opset_version=opset, dynamic_shapes=tuple(shapes), optimize=True)
+    prog.save(str(out), external_data=False)
 
 
 def _export_torch(name: str, out: Path, *, dynamo: bool, opset: int, with_past: bool,

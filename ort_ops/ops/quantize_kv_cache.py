@@ -18,7 +18,8 @@ Each token's K and V vector of each kv head is quantized on its own with the con
 (``ort_ops.ops._quant.quantize_rows``: amax / 127 scale, round half to even, codes in
 [-127, 127]); codes and scales are bit-exact across the reference and every kernel. Slots must
 be < N * B and the non-negative ones distinct (two writes to one slot would race in a parallel
-kernel); non-finite K/V values are refused (no INT8 code represents them).
+kernel); non-finite K/V values of live tokens are refused (no INT8 code represents them); a
+skipped token's K/V are never read.
 
 In-place update (how a paged KV-cache runtime binds the op)
 ------------------------------------------------------------
@@ -117,9 +118,14 @@ def reference(key: np.ndarray, value: np.ndarray, slot_mapping: np.ndarray, key_
     kc, vc = np.array(key_cache, np.int8), np.array(value_cache, np.int8)
     ks, vs = np.array(key_scale, np.float32), np.array(value_scale, np.float32)
     k32, v32 = key.astype(np.float32), value.astype(np.float32)
-    if not (np.all(np.isfinite(k32)) and np.all(np.isfinite(v32))):
-        raise ValueError(f"{OP}: inputs 'key' and 'value' must be finite (no INT8 code represents NaN or Inf)")
+    # Only live tokens are read (the kernels never touch a skipped token's K/V either).
+    live = slot_mapping >= 0
+    if not (np.all(np.isfinite(k32[live])) and np.all(np.isfinite(v32[live]))):
+        raise ValueError(f"{OP}: inputs 'key' and 'value' must be finite in live tokens (no INT8 code "
+                         "represents NaN or Inf)")
     b = kc.shape[2]
+    k32 = np.where(live[:, None, None], k32, np.float32(0))  # skipped rows: never stored
+    v32 = np.where(live[:, None, None], v32, np.float32(0))
     kq, ksc = quantize_rows(k32, axis=-1)  # [T, Hkv, D], [T, Hkv]
     vq, vsc = quantize_rows(v32, axis=-1)
     for t, slot in enumerate(slot_mapping):

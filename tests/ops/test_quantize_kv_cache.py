@@ -132,6 +132,19 @@ def test_failed_run_leaves_bound_cache_untouched(rng):
         np.testing.assert_array_equal(ins[name], old[name], err_msg=name)
 
 
+def test_skipped_token_is_not_read(rng):
+    """A skipped token's K/V (slot < 0) are never read, so NaN there is no error: the op and the
+    reference both leave its values out and store the live tokens."""
+    ins = _inputs(rng, 4, 2, 64, 3, 8, skip=0.0)
+    clean = reference.quantize_kv_cache(**dict(ins, slot_mapping=np.where(np.arange(4) == 1, -1, ins["slot_mapping"])))
+    ins["slot_mapping"][1] = -1
+    ins["key"][1, 0, 5] = np.nan
+    ins["value"][1, 1, 7] = np.inf
+    want = reference.quantize_kv_cache(**ins)
+    _assert_exact(want, clean)
+    _assert_exact(run_single_op(SCHEMA, ins), want)
+
+
 def test_no_tokens_and_all_skipped(rng):
     ins = _inputs(rng, 3, 2, 64, 2, 8)
     ins["slot_mapping"][:] = -1
