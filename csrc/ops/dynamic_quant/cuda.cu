@@ -7,6 +7,7 @@
 
 #include <cuda_fp16.h>
 
+#include <cfloat>
 #include <algorithm>
 
 #include "cuda/export.h"
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) dynamic_quant_kernel(const T* x, con
     float amax = red[0];
 #pragma unroll
     for (int w = 1; w < kThreads / 32; ++w) amax = fmaxf(amax, red[w]);
-    const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const float inv = amax > 0.0f ? fminf(__fdiv_rn(127.0f, amax), FLT_MAX) : 0.0f;  // saturated: DESIGN.md
     int8_t* yr = y + r * k;
     for (int64_t i = threadIdx.x; i < k; i += kThreads) {
       float v = load_f32(xr, i);

@@ -40,6 +40,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -434,7 +435,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
         const int r = (wm * MT + mt) * 16 + g + 8 * hh;
         if (epi && r < rows && col_ok) {
           const float amax = __ldcg(ws.amax + row0 + r);
-          const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+          const float inv = amax > 0.0f ? fminf(__fdiv_rn(127.0f, amax), FLT_MAX) : 0.0f;  // saturated: DESIGN.md
           uint32_t lo = 0, hi = 0;
 #pragma unroll
           for (int c = 0; c < 4; ++c) {

@@ -43,6 +43,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <algorithm>
 #include <cstdint>
 #include <mutex>
@@ -649,7 +650,7 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
     float amax = lane < nt / 32 ? red_s[lane] : 0.0f;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const float inv = amax > 0.0f ? fminf(__fdiv_rn(127.0f, amax), FLT_MAX) : 0.0f;  // saturated: DESIGN.md
     for (int j = tid; j < pairs; j += nt) {
       const uint32_t lo = static_cast<uint32_t>(epi::quant_code(s_out[2 * j], inv)) & 0xffu;
       const uint32_t hi = static_cast<uint32_t>(epi::quant_code(s_out[2 * j + 1], inv)) & 0xffu;

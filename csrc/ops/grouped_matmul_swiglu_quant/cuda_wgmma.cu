@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <cfloat>
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -373,7 +374,7 @@ __device__ __forceinline__ void row_codes(const uint32_t (&s)[NA], int hi, const
                                           const WgScratch& ws, int grow, int col0, int half,
                                           int t, int ct) {
   const float amax = __ldcg(ws.amax + grow);
-  const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  const float inv = amax > 0.0f ? fminf(__fdiv_rn(127.0f, amax), FLT_MAX) : 0.0f;  // saturated: DESIGN.md
   int8_t* yr = p.y + static_cast<int64_t>(grow) * half + col0 + 2 * t;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {

@@ -7,6 +7,7 @@
 
 #include <cuda_fp16.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "cuda/ptx.cuh"
@@ -125,7 +126,7 @@ __device__ __forceinline__ bool quantize_q_slice(const PagedAttentionParams& p, 
     amax = fmaxf(amax, fabsf(x[i]));
   }
   amax = warp_max4(amax);
-  const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  const float inv = amax > 0.0f ? fminf(__fdiv_rn(127.0f, amax), FLT_MAX) : 0.0f;  // saturated: DESIGN.md
   sq = __fdiv_rn(amax, 127.0f);
 #pragma unroll
   for (int wd = 0; wd < D / 16; ++wd) {

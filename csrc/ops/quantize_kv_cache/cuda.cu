@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: MIT
 // QuantizeKVCache kernel: one warp per (token, kv head, K or V) vector. The arithmetic is the
 // contract's, operation for operation (ort_ops/ops/_quant.py): amax = max|x|, scale = amax / 127,
-// inv = 127 / amax, q = clamp(rint(x * inv), -127, 127), all correctly rounded float32 (__fdiv_rn,
+// inv = min(127 / amax, FLT_MAX), q = clamp(rint(x * inv), -127, 127), all correctly rounded float32 (__fdiv_rn,
 // __fmul_rn: no FMA contraction, no approximate division), so the codes are bit-exact.
 #include <cuda_fp16.h>
+
+#include <cfloat>
 
 #include "cuda/launch.cuh"
 #include "ops/quantize_kv_cache/cuda.cuh"
@@ -106,7 +108,7 @@ __global__ void quantize_kv_cache_kernel(QuantizeKvCacheParams p) {
     return;
   }
   const float scale = __fdiv_rn(amax, 127.0f);
-  const float inv = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+  const float inv = amax > 0.0f ? fminf(__fdiv_rn(127.0f, amax), FLT_MAX) : 0.0f;  // saturated: DESIGN.md
   const int64_t blk = slot / p.block_size;
   const int off = static_cast<int>(slot % p.block_size);
   const int64_t bh = blk * p.num_kv_heads + head;
