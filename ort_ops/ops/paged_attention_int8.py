@@ -218,6 +218,9 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
         rounding moves one W code by 1 moves that row's output by at most this times |Vq| <= 128,
         which is how tests bound such rounding-tie differences.
     """
+    SCHEMA.check_dtypes({"query": query, "key_cache": key_cache, "value_cache": value_cache, "key_scale": key_scale,
+                         "value_scale": value_scale, "block_tables": block_tables, "seq_lens": seq_lens,
+                         "cu_seqlens_q": cu_seqlens_q})
     query = np.asarray(query)
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     block_tables = np.asarray(block_tables).astype(np.int64)

@@ -59,6 +59,7 @@ def _assert_matches(got, ins, vmax, **attrs):
     if want.dtype == np.float16:
         bound = bound + tol.ATTN_FP16_ULPS * np.spacing(np.abs(want)).astype(np.float64)
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bound = np.broadcast_to(bound, diff.shape)  # [T, Hq, 1] when the outputs are fp32: index it per element
     bad = np.argwhere(diff > bound)
     assert bad.size == 0, (f"{len(bad)} of {diff.size} outputs off, first at {bad[:4].tolist()}: got "
                            f"{got[tuple(bad[0])]} want {want[tuple(bad[0])]} bound {bound[tuple(bad[0])]}")
