@@ -101,6 +101,18 @@ class BlockAllocator:
         for _ in range(max(need, 0)):
             table.append(self._free.pop())
 
+    def reserve_all(self, new_lengths: dict) -> None:
+        """``reserve`` for several sequences, all or nothing: when the blocks they need together
+        are more than the free ones, nothing is reserved (a partial reservation would leave
+        blocks with sequences whose step never ran, and a new sequence holding blocks the caller
+        may never release)."""
+        need = sum(max(-(-n // self.block_size) - len(self.tables.get(s, [])), 0) for s, n in new_lengths.items())
+        if need > len(self._free):
+            raise RuntimeError(f"ort_ops.runtime: KV cache full: the step needs {need} more block(s), "
+                               f"{len(self._free)} free of {self.num_blocks}; create the cache with more blocks")
+        for s, n in new_lengths.items():
+            self.reserve(s, n)
+
     def slots(self, seq_id, start: int, count: int) -> np.ndarray:
         """Cache slots (block * Bs + offset) of positions start .. start+count-1."""
         table = self.tables[seq_id]
@@ -199,13 +211,14 @@ class PagedRunner:
             float32 [S, V]: the logits of each sequence's last new token, in ``batch`` order.
         """
         alloc = self.cache.allocator
-        ids, pos, slots, lens, cu, tables = [], [], [], [], [0], []
+        batch = {seq_id: np.asarray(toks, np.int64).reshape(-1) for seq_id, toks in batch.items()}
         for seq_id, toks in batch.items():
-            toks = np.asarray(toks, np.int64).reshape(-1)
             if toks.size == 0:
                 raise ValueError(f"ort_ops.runtime: sequence {seq_id!r} has no new tokens")
+        alloc.reserve_all({seq_id: alloc.lengths.get(seq_id, 0) + toks.size for seq_id, toks in batch.items()})
+        ids, pos, slots, lens, cu, tables = [], [], [], [], [0], []
+        for seq_id, toks in batch.items():
             start = alloc.lengths.get(seq_id, 0)
-            alloc.reserve(seq_id, start + toks.size)
             ids.append(toks)
             pos.append(np.arange(start, start + toks.size, dtype=np.int64))
             slots.append(alloc.slots(seq_id, start, toks.size))

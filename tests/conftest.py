@@ -22,6 +22,12 @@ settings.register_profile("long", max_examples=10_000, **_HYPOTHESIS_COMMON)
 settings.load_profile("ci")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long-runs", action="store_true", default=False,
+                     help="run the long-run tests at full length (tests/test_long_runs.py: 10,000 paged "
+                          "runtime steps instead of 1,000)")
+
+
 def pytest_report_header(config):
     try:
         import ort_ops
