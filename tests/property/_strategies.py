@@ -51,8 +51,9 @@ def floats(rng: np.random.Generator, shape, dtype, regime: str) -> np.ndarray:
 
 
 def misaligned(a: np.ndarray) -> np.ndarray:
-    """A copy of ``a`` whose data starts one element size plus one byte past an aligned address
-    inside a larger buffer: kernels must not assume alignment of ORT-bound buffers."""
+    """A copy of ``a`` whose data starts one byte past a 64-byte aligned address inside a larger
+    buffer. ORT passes such a buffer bound through IOBinding on as it is; the ops refuse it
+    (reading it through typed pointers would be undefined behaviour)."""
     a = np.ascontiguousarray(a)
     raw = np.zeros(a.nbytes + 64 + a.itemsize + 1, np.uint8)
     start = (-raw.ctypes.data) % 64 + 1
