@@ -2,7 +2,8 @@
 """PagedAttentionInt8 on the CPU EP against ort_ops.reference.paged_attention_int8 for random
 valid inputs: every head dim, block sizes 8..256, GQA ratios 1..8, 1 to 4 sequences of 0 to ~1000
 cached tokens (partial blocks and 32-key groups, contexts on partition boundaries), decode (no
-cu_seqlens_q) and prefill with history (sequences without queries, whole prompts, one-token steps),
+cu_seqlens_q) and prefill with history (sequences without queries, whose table rows may then
+hold anything, whole prompts, one-token steps),
 qk/pv quantization modes, partition sizes, softmax scales, float32/float16 queries, K/V and query
 magnitudes from tiny to large, every ISA variant.
 Outputs are held to tests/ops/test_paged_attention_int8.py's bound (float rounding plus at most a
@@ -75,6 +76,11 @@ def valid_inputs(draw):
     v_exp = draw(st.sampled_from([-20, -3, 0, 3] + ([20] if dtype == np.float32 else [])))
     ins, vmax = make_case(rng, d, b, hkv, hq, lens, q_lens, dtype, q_regime,
                           kv_spread=10.0 ** draw(st.sampled_from([-30, -3, 0, 2])), v_spread=10.0 ** v_exp)
+    if q_lens is not None and draw(st.booleans()):
+        # A sequence without queries is not read: its table row may hold anything.
+        for i, nq in enumerate(q_lens):
+            if nq == 0:
+                ins["block_tables"][i] = rng.integers(-2**31, 2**31 - 1, ins["block_tables"].shape[1])
     attrs = {"qk_quant": draw(st.sampled_from(["s8", "none"])), "pv_quant": draw(st.sampled_from(["s8", "u8", "none"])),
              "partition_size": draw(st.sampled_from([32, 64, 96, 256, 512]))}
     if draw(st.booleans()):
