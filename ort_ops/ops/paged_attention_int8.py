@@ -240,6 +240,8 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
     q32 = query.astype(np.float32)
     if not np.all(np.isfinite(q32)):
         _fail("input 'query' must be finite (NaN or Inf found)")
+    if scale is not None and not math.isfinite(scale):
+        _fail(f"attribute 'scale' must be finite, got {np.float32(scale)}")
     scale = np.float32(1.0 / math.sqrt(d)) if scale is None else np.float32(scale)
     out = np.zeros((t, hq, d), np.float32)
     step = np.zeros((t, hq), np.float32)
