@@ -93,7 +93,9 @@ def valid_inputs(draw):
 def test_matches_reference(case):
     ins, vmax, attrs, isa = case
     (got,) = h.run(SCHEMA, ins, attrs, isa=isa)
-    _assert_matches(got, ins, vmax, **attrs)
+    # Keys near zero make every q head of a kv group see the same scores, hence the same W codes:
+    # a rounding tie then moves the whole group, so moved rows are counted per group.
+    _assert_matches(got, ins, vmax, moved_unit=ins["query"].shape[1] // ins["key_cache"].shape[1], **attrs)
 
 
 INVALID = ("block_high", "block_negative", "seq_len_past_table", "seq_len_negative", "seq_len_below_queries",
