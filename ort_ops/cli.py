@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: MIT
 """The ``ort-ops`` command line: info, rewrite, verify, bench.
 
-Errors print one line (``ort-ops: <message>``) and exit 2.
+Errors in the input (files, models, arguments) print one line (``ort-ops: <message>``) and exit
+2; a rewritten model is written to a temporary file and renamed into place, so a failed command
+leaves no partial output.
 """
 
 from __future__ import annotations
@@ -74,6 +76,18 @@ def _register_rewrite_verify(sub) -> None:
 _SUBCOMMANDS.append(_register_rewrite_verify)
 
 
+def _is_user_error(e: Exception) -> bool:
+    """Errors that describe the input (a file, a model, an argument, the machine) rather than a bug
+    of ort-ops: ours are ValueError/FileNotFoundError/OSError/RuntimeError; onnxruntime's own
+    (InvalidArgument, Fail, NoSuchFile, ...) derive from Exception in its pybind module."""
+    return isinstance(e, (ValueError, OSError, RuntimeError)) or type(e).__module__.startswith("onnxruntime")
+
+
+def _one_line(e: Exception) -> str:
+    """The error message on one line (onnxruntime's and protobuf's may span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -82,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
-        print(f"ort-ops: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - mapped to exit 2 below, or re-raised
+        if not _is_user_error(e):
+            raise
+        print(f"ort-ops: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("ort-ops: interrupted", file=sys.stderr)

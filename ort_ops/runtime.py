@@ -175,6 +175,18 @@ class BlockAllocator:
         for _ in range(max(need, 0)):
             table.append(self._free.pop())
 
+    def reserve_all(self, new_lengths: dict) -> None:
+        """``reserve`` for several sequences, all or nothing: when the blocks they need together
+        are more than the free ones, nothing is reserved (a partial reservation would leave
+        blocks with sequences whose step never ran, and a new sequence holding blocks the caller
+        may never release)."""
+        need = sum(max(-(-n // self.block_size) - len(self.tables.get(s, [])), 0) for s, n in new_lengths.items())
+        if need > len(self._free):
+            raise RuntimeError(f"ort_ops.runtime: KV cache full: the step needs {need} more block(s), "
+                               f"{len(self._free)} free of {self.num_blocks}; create the cache with more blocks")
+        for s, n in new_lengths.items():
+            self.reserve(s, n)
+
     def slots(self, seq_id, start: int, count: int) -> np.ndarray:
         """Cache slots (block * Bs + offset) of positions start .. start+count-1."""
         table = self.tables[seq_id]
@@ -340,17 +352,17 @@ class PagedRunner:
         """
         alloc = self.cache.allocator
         bs = alloc.block_size
-        toks_list, starts, counts, tables = [], [], [], []
+        toks_list, starts, counts = [], [], []
         for seq_id, toks in batch.items():
             toks = toks.reshape(-1) if isinstance(toks, np.ndarray) else toks
             if len(toks) == 0:
                 raise ValueError(f"ort_ops.runtime: sequence {seq_id!r} has no new tokens")
-            start = alloc.lengths.get(seq_id, 0)
-            alloc.reserve(seq_id, start + len(toks))
             toks_list.append(toks)
-            starts.append(start)
+            starts.append(alloc.lengths.get(seq_id, 0))
             counts.append(len(toks))
-            tables.append(alloc.tables[seq_id])
+        # All or nothing: a step that does not fit leaves every sequence's blocks as they were.
+        alloc.reserve_all({seq_id: start + n for seq_id, start, n in zip(batch, starts, counts)})
+        tables = [alloc.tables[seq_id] for seq_id in batch]
         n_seq = len(counts)
         counts_S = np.asarray(counts, np.int64)
         starts_S = np.asarray(starts, np.int64)

@@ -7,6 +7,25 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles of the property tests (tests/property/). "ci", the default: derandomized (a
+# fixed seed per test, no example database), so every CI run tries the same few hundred cases per
+# op. "long" (`pytest tests/property --hypothesis-profile=long`): ten thousand random cases per
+# test, for a soak run whose figures go in the notes. No deadline: a case's time depends on its
+# shapes and on the machine, and timing is not what these tests check.
+_HYPOTHESIS_COMMON = dict(deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.filter_too_much])
+settings.register_profile("ci", max_examples=200, derandomize=True, database=None, **_HYPOTHESIS_COMMON)
+settings.register_profile("long", max_examples=10_000, **_HYPOTHESIS_COMMON)
+settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long-runs", action="store_true", default=False,
+                     help="run the long-run tests at full length (tests/test_long_runs.py: 10,000 paged "
+                          "runtime steps instead of 1,000)")
 
 
 def pytest_report_header(config):

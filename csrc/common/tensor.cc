@@ -2,6 +2,7 @@
 #include "common/tensor.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace ort_ops {
 
@@ -48,9 +49,38 @@ void require_present(const char* op, const char* name, const InputView& t) {
   if (!t.present) fail_invalid(op, "input '", name, "' is required");
 }
 
+size_t dtype_size(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64:
+      return 8;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32:
+      return 4;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
 void require_dtype(const char* op, const char* name, const InputView& t,
                    std::initializer_list<ONNXTensorElementDataType> allowed) {
-  if (std::find(allowed.begin(), allowed.end(), t.dtype) != allowed.end()) return;
+  if (std::find(allowed.begin(), allowed.end(), t.dtype) != allowed.end()) {
+    // Kernels read elements through typed pointers (and SIMD code may assume element alignment).
+    // ORT passes a buffer bound through IOBinding on as it is, at any address, so a misaligned
+    // one is refused here instead of being read with undefined behaviour.
+    const size_t size = dtype_size(t.dtype);
+    if (t.numel > 0 && reinterpret_cast<uintptr_t>(t.data) % size != 0)
+      fail_invalid(op, "input '", name, "' must be aligned to its element size (", size,
+                   " bytes), got address ", t.data);
+    return;
+  }
   std::string expected;
   for (auto a : allowed) expected += std::string(expected.empty() ? "" : " or ") + dtype_name(a);
   fail_invalid(op, "input '", name, "' must be ", expected, ", got ", dtype_name(t.dtype));

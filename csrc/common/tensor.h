@@ -13,6 +13,7 @@
 namespace ort_ops {
 
 const char* dtype_name(ONNXTensorElementDataType t);
+size_t dtype_size(ONNXTensorElementDataType t);  // bytes per element (1 for types the ops never take)
 std::string shape_str(const std::vector<int64_t>& shape);
 
 // One input as the kernel sees it. `present` is false for an absent optional input.
@@ -32,7 +33,8 @@ struct InputView {
 // Reads input `index` (absent or empty-named optional inputs give present == false).
 InputView read_input(const Ort::KernelContext& ctx, size_t index);
 
-// Validation helpers: each throws OpError "<op>: input '<name>' must ..., got ...".
+// Validation helpers: each throws OpError "<op>: input '<name>' must ..., got ...". require_dtype
+// also refuses a buffer that is not aligned to its element size.
 void require_present(const char* op, const char* name, const InputView& t);
 void require_dtype(const char* op, const char* name, const InputView& t,
                    std::initializer_list<ONNXTensorElementDataType> allowed);

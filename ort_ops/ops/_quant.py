@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: MIT
 """The contract's INT8 quantization rule (DESIGN.md, Conventions), in plain numpy.
 
-    amax = max|x|, scale = amax / 127, q = clamp(rint(x * (127 / amax)), -127, 127)
+    amax = max|x|, scale = amax / 127, q = clamp(rint(x * min(127 / amax, FLT_MAX)), -127, 127)
 
 All arithmetic is float32, ``rint`` rounds half to even, ``amax == 0`` gives scale 0 and q 0.
+The factor saturates at FLT_MAX: for 0 < amax < 127 / FLT_MAX (~3.7e-37) ``127 / amax`` is +Inf
+and the row's zeros would become NaN codes (0 * Inf); saturated, zeros stay 0.
 Every kernel produces these codes bit for bit, so the order of float32 operations here is part
 of the spec: ``inv = 127 / amax`` first, then one float32 multiply per element (never fused
 into an FMA, never ``x / scale``).
@@ -31,8 +33,9 @@ def quantize_rows(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray
         x32.shape[:axis % x32.ndim] + (1,) + x32.shape[axis % x32.ndim + 1:], np.float32)
     amax = amax.astype(np.float32)
     scale = (amax / QMAX).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         inv = np.where(amax > 0, QMAX / np.where(amax > 0, amax, np.float32(1)), np.float32(0)).astype(np.float32)
+    inv = np.minimum(inv, np.finfo(np.float32).max)
     q = np.clip(np.rint((x32 * inv).astype(np.float32)), -127, 127).astype(np.int8)
     return q, np.squeeze(scale, axis=axis)
 

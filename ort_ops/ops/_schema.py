@@ -70,6 +70,15 @@ class OpSchema:
         if unknown:
             raise ValueError(f"{self.name}: unknown attribute(s) {sorted(unknown)}, expected {sorted(known)}")
 
+    def check_dtypes(self, values: Mapping[str, Any]) -> None:
+        """Raises the kernels' ValueError ("<op>: input 'x' must be float32 or float16, got float64")
+        for a present input whose numpy dtype the schema does not list."""
+        for arg in self.inputs:
+            v = values.get(arg.name)
+            if v is not None and np.asarray(v).dtype.name not in arg.dtypes:
+                raise ValueError(f"{self.name}: input '{arg.name}' must be {' or '.join(arg.dtypes)}, "
+                                 f"got {np.asarray(v).dtype.name}")
+
     def make_node(self, inputs: Sequence[str], outputs: Sequence[str] | None = None,
                   name: str | None = None, **attrs: Any) -> onnx.NodeProto:
         """A NodeProto of this op in our domain; ``inputs`` uses "" for an absent optional input."""

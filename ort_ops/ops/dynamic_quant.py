@@ -40,6 +40,7 @@ def reference(x: np.ndarray, smooth_scale: np.ndarray | None = None) -> tuple[np
     Returns:
         (y int8 [..., K], scale float32 [...]).
     """
+    SCHEMA.check_dtypes({"x": x, "smooth_scale": smooth_scale})
     x = np.asarray(x)
     if x.ndim < 1:
         raise ValueError("DynamicQuant: input 'x' must have rank >= 1, got rank 0")

@@ -130,18 +130,25 @@ def _check(query, key_cache, value_cache, key_scale, value_scale, block_tables, 
     if np.any(seq_lens < 0) or np.any(seq_lens > m * b):
         i = int(np.nonzero((seq_lens < 0) | (seq_lens > m * b))[0][0])
         _fail(f"input 'seq_lens' must be in 0..{m * b} (max_blocks * block_size), got seq_lens[{i}] = {int(seq_lens[i])}")
-    for i in range(s):
-        used = block_tables[i, : -(-int(seq_lens[i]) // b)]
-        bad = np.nonzero((used < 0) | (used >= n))[0]
-        if bad.size:
-            _fail(f"input 'block_tables' must hold block ids in 0..{n - 1}, got block_tables[{i}, {int(bad[0])}] = "
-                  f"{int(used[bad[0]])}")
     if qk_quant not in ("s8", "none"):
         _fail(f"attribute 'qk_quant' must be s8 or none, got '{qk_quant}'")
     if pv_quant not in ("s8", "u8", "none"):
         _fail(f"attribute 'pv_quant' must be s8, u8 or none, got '{pv_quant}'")
     if partition_size <= 0 or partition_size % GROUP:
         _fail(f"attribute 'partition_size' must be a positive multiple of 32, got {partition_size}")
+
+
+def _check_blocks(block_tables, seq_lens, num_blocks, block_size, cu) -> None:
+    """Every block id a query can reach: the first ceil(seq_lens[s] / B) entries of the rows of
+    sequences with at least one query (a sequence without queries is not read, as in the kernels)."""
+    for i in range(seq_lens.shape[0]):
+        if cu[i + 1] == cu[i]:
+            continue
+        used = block_tables[i, : -(-int(seq_lens[i]) // block_size)]
+        bad = np.nonzero((used < 0) | (used >= num_blocks))[0]
+        if bad.size:
+            _fail(f"input 'block_tables' must hold block ids in 0..{num_blocks - 1}, got block_tables[{i}, "
+                  f"{int(bad[0])}] = {int(used[bad[0]])}")
 
 
 def gather_sequence(key_cache, value_cache, key_scale, value_scale, block_row, seq_len):
@@ -219,6 +226,9 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
         rounding moves one W code by 1 moves that row's output by at most this times |Vq| <= 128,
         which is how tests bound such rounding-tie differences.
     """
+    SCHEMA.check_dtypes({"query": query, "key_cache": key_cache, "value_cache": value_cache, "key_scale": key_scale,
+                         "value_scale": value_scale, "block_tables": block_tables, "seq_lens": seq_lens,
+                         "cu_seqlens_q": cu_seqlens_q})
     query = np.asarray(query)
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     block_tables = np.asarray(block_tables).astype(np.int64)
@@ -227,9 +237,12 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
     t, hq, d = query.shape
     hkv = key_cache.shape[1]
     cu = _query_rows(t, seq_lens, cu_seqlens_q)
+    _check_blocks(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[2], cu)
     q32 = query.astype(np.float32)
     if not np.all(np.isfinite(q32)):
         _fail("input 'query' must be finite (NaN or Inf found)")
+    if scale is not None and not math.isfinite(scale):
+        _fail(f"attribute 'scale' must be finite, got {np.float32(scale)}")
     scale = np.float32(1.0 / math.sqrt(d)) if scale is None else np.float32(scale)
     out = np.zeros((t, hq, d), np.float32)
     step = np.zeros((t, hq), np.float32)

@@ -112,6 +112,8 @@ def reference(key: np.ndarray, value: np.ndarray, slot_mapping: np.ndarray, key_
     Returns:
         (key_cache_out, value_cache_out, key_scale_out, value_scale_out).
     """
+    SCHEMA.check_dtypes({"key": key, "value": value, "slot_mapping": slot_mapping, "key_cache": key_cache,
+                         "value_cache": value_cache, "key_scale": key_scale, "value_scale": value_scale})
     key, value = np.asarray(key), np.asarray(value)
     slot_mapping = np.asarray(slot_mapping).astype(np.int64)
     _check(key, value, slot_mapping, key_cache, value_cache, key_scale, value_scale)

@@ -12,29 +12,65 @@ from pathlib import Path
 
 
 def load_model(path):
-    """An onnx_ir.Model from a path, or a one-line ValueError/FileNotFoundError naming the file."""
+    """An onnx_ir.Model from a path, or a one-line ValueError/FileNotFoundError naming the file.
+
+    Refused: a missing file, one that does not parse, an empty one or one without a graph (an
+    empty file parses as an empty ModelProto), and one whose external data file is missing or
+    shorter than its tensors need (onnx_ir would only find out when a tensor is first read).
+    """
     import onnx_ir as ir
 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"model file '{path}' not found")
+    if p.stat().st_size == 0:
+        raise ValueError(f"'{path}' is empty (0 bytes), not an ONNX model")
     try:
-        return ir.load(str(p))
+        model = ir.load(str(p))
     except Exception as e:  # noqa: BLE001 - any parse failure is "not an ONNX model" to the user
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"'{path}' is not a readable ONNX model ({first[:200]})") from None
+    if len(model.graph) == 0 and not len(model.graph.outputs):
+        raise ValueError(f"'{path}' holds no graph (no nodes, no outputs): not an ONNX model")
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            t = value.const_value
+            if isinstance(t, ir.ExternalTensor):
+                data = Path(t.path)
+                if not data.is_file():
+                    raise FileNotFoundError(f"'{path}' keeps tensor '{value.name}' in external data file "
+                                            f"'{t.location}', which is missing (looked for '{data}')")
+                if data.stat().st_size < (t.offset or 0) + (t.length or 0):
+                    raise ValueError(f"'{path}': external data file '{data}' is shorter than tensor "
+                                     f"'{value.name}' needs ({data.stat().st_size} < {(t.offset or 0) + (t.length or 0)} bytes)")
+    return model
 
 
 def save_model(model, path) -> None:
     """Saves an onnx_ir.Model; weights go to ``<name>.data`` beside it when past ~1.8 GB
-    (protobuf's 2 GB limit), inline otherwise."""
+    (protobuf's 2 GB limit), inline otherwise. The model file is written to a temporary file in
+    the same directory and renamed into place (``ort_ops._atomic``): a failed save leaves no
+    partial model behind (nor a partial ``.data`` file it had started)."""
     import onnx_ir as ir
 
+    from ort_ops._atomic import atomic_output
+
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    if size > 1_800_000_000:
-        ir.save(model, str(path), external_data=f"{Path(path).name}.data")
-    else:
-        ir.save(model, str(path))
+    data = Path(path).with_name(f"{Path(path).name}.data")
+    existed = data.exists()
+    try:
+        with atomic_output(path) as tmp:
+            if size > 1_800_000_000:
+                # The model names its data file, so that file is written under its final name.
+                ir.save(model, str(tmp), external_data=data.name)
+            else:
+                ir.save(model, str(tmp))
+    except OSError as e:
+        if size > 1_800_000_000 and not existed:
+            data.unlink(missing_ok=True)
+        if str(e).startswith("cannot write"):
+            raise
+        raise OSError(f"cannot write '{path}' ({e.strerror or e})") from None
 
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",

@@ -51,7 +51,10 @@ def _case(rng, lens, q_lens=None, hq=8, hkv=2, d=128, b=16, dtype=np.float32, sp
     return ins, float(np.abs(v).max(initial=0.0))
 
 
-def _assert_matches(got, ins, vmax, **attrs):
+def _assert_matches(got, ins, vmax, *, moved_unit: int = 1, **attrs):
+    """``moved_unit``: count rows that moved a W code per group of that many consecutive q heads
+    (those sharing a kv head share its W codes whenever the scores do not depend on the query,
+    e.g. keys near zero, so one rounding tie moves them together)."""
     want, step = reference.paged_attention_int8(**ins, **attrs, return_code_step=True)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert np.all(np.isfinite(got)), f"{np.count_nonzero(~np.isfinite(got))} non-finite outputs"
@@ -59,14 +62,17 @@ def _assert_matches(got, ins, vmax, **attrs):
     if want.dtype == np.float16:
         bound = bound + tol.ATTN_FP16_ULPS * np.spacing(np.abs(want)).astype(np.float64)
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bound = np.broadcast_to(bound, diff.shape)  # [T, Hq, 1] when the outputs are fp32: index it per element
     bad = np.argwhere(diff > bound)
     assert bad.size == 0, (f"{len(bad)} of {diff.size} outputs off, first at {bad[:4].tolist()}: got "
                            f"{got[tuple(bad[0])]} want {want[tuple(bad[0])]} bound {bound[tuple(bad[0])]}")
     # W-code moves at rounding ties are rare; many moved rows mean wrong scale groups.
     float_bound = bound - tol.ATTN_CODE_MOVES_PER_ROW * 128.0 * step[..., None].astype(np.float64)
     moved = np.any(diff > float_bound, axis=-1)
+    moved = moved.reshape(*moved.shape[:-1], moved.shape[-1] // moved_unit, moved_unit).any(axis=-1)
     allowed = tol.ATTN_MOVED_ROWS_MIN + tol.ATTN_MOVED_ROWS_FRACTION * moved.size
-    assert moved.sum() <= allowed, f"{moved.sum()} of {moved.size} rows beyond float rounding: {np.argwhere(moved)[:6].tolist()}"
+    assert moved.sum() <= allowed, (f"{moved.sum()} of {moved.size} rows (groups of {moved_unit} q heads) beyond "
+                                    f"float rounding: {np.argwhere(moved)[:6].tolist()}")
 
 
 def _run(ins, **attrs):

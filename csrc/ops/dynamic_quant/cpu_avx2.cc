@@ -53,7 +53,7 @@ bool quantize_row_avx2(const float* x, const float* smooth, int64_t k, int8_t* y
     return true;
   }
   *scale = amax / 127.0f;
-  const float inv_s = 127.0f / amax;
+  const float inv_s = std::min(127.0f / amax, 3.402823466e+38f);  // saturates: cpu_scalar.cc
   const __m256 inv = _mm256_set1_ps(inv_s);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   i = 0;

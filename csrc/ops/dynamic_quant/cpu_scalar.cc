@@ -22,7 +22,9 @@ bool quantize_row_scalar(const float* x, const float* smooth, int64_t k, int8_t*
     return true;
   }
   *scale = amax / 127.0f;
-  const float inv = 127.0f / amax;
+  // The factor saturates at FLT_MAX: for amax below 127 / FLT_MAX (~3.7e-37) 127 / amax is +Inf,
+  // and 0 * Inf would make the row's zeros NaN codes (DESIGN.md, Conventions).
+  const float inv = std::min(127.0f / amax, FLT_MAX);
   for (int64_t i = 0; i < k; ++i) {
     const float v = smooth ? x[i] * smooth[i] : x[i];
     // std::nearbyint rounds half to even in the default rounding mode, as np.rint does.
