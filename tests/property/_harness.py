@@ -67,7 +67,8 @@ def session(schema: OpSchema, inputs: Mapping[str, np.ndarray | None], attrs: Ma
 
 def run(schema: OpSchema, inputs: Mapping[str, np.ndarray | None], attrs: Mapping[str, Any] | None = None, *,
         in_place: Mapping[str, str] | None = None, isa: str | None = None) -> list[np.ndarray]:
-    """Runs one node through IOBinding; returns the outputs in schema order.
+    """Runs one node through IOBinding; returns the outputs in schema order (optional outputs only
+    when the model has them: ``single_op_model`` adds them with the optional inputs they answer).
 
     Every input is wrapped as an OrtValue over its own numpy buffer (no copy); ``in_place`` maps an
     output name to the input whose OrtValue it is bound to (the paged cache's in-place update), so
@@ -83,14 +84,15 @@ def run(schema: OpSchema, inputs: Mapping[str, np.ndarray | None], attrs: Mappin
             continue
         values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
         io.bind_ortvalue_input(name, values[name])
-    for out in schema.output_names():
+    outputs = [o.name for o in sess.get_outputs()]  # the schema's, less optional ones left out
+    for out in outputs:
         if out in in_place:
             io.bind_ortvalue_output(out, values[in_place[out]])
         else:
             io.bind_output(out)
     sess.run_with_iobinding(io)
     got = io.get_outputs()
-    return [inputs[in_place[o]] if o in in_place else got[i].numpy() for i, o in enumerate(schema.output_names())]
+    return [inputs[in_place[o]] if o in in_place else got[i].numpy() for i, o in enumerate(outputs)]
 
 
 def error_names(message: str, op: str, input_name: str) -> bool:
