@@ -39,14 +39,15 @@ def shapes(draw, max_len=300):
     group = draw(st.sampled_from([1, 2, 3, 4, 8]))
     s = draw(st.integers(1, 4))
     decode = draw(st.booleans())
-    lengths = [st.integers(1 if decode else 0, 40), st.integers(1, max_len), st.sampled_from([1, 31, 32, 33, 255, 256, 257])]
+    lengths = [st.integers(1, 40), st.integers(1, max_len), st.sampled_from([1, 31, 32, 33, 255, 256, 257])]
     if s == 1:  # long contexts for a single sequence (keeps the reference's cost in bounds)
         lengths.append(st.integers(500, 1000))
     lens = [draw(st.one_of(*lengths)) for _ in range(s)]
     if decode:
         q_lens = None
     else:
-        q_lens = [draw(st.one_of(st.just(0), st.just(min(n, 1)), st.integers(0, min(n, 24)), st.just(n))) for n in lens]
+        # Every sequence has at least one query row (DESIGN.md: T == S means decode).
+        q_lens = [draw(st.one_of(st.just(1), st.integers(1, min(n, 24)), st.just(n))) for n in lens]
     return d, b, hkv, hkv * group, lens, q_lens
 
 
@@ -99,7 +100,7 @@ def test_matches_reference(case):
 
 
 INVALID = ("block_high", "block_negative", "seq_len_past_table", "seq_len_negative", "seq_len_below_queries",
-           "cu_not_monotone", "cu_wrong_end", "cu_shape", "decode_t_ne_s", "nonfinite_query", "query_rank",
+           "cu_not_monotone", "cu_wrong_end", "cu_shape", "cu_empty_sequence", "decode_t_ne_s", "nonfinite_query", "query_rank",
            "head_dim", "block_size", "gqa", "value_cache_shape", "scale_shape", "seq_lens_shape", "query_dtype",
            "table_dtype", "cu_dtype", "misaligned", "attr")
 
@@ -131,6 +132,10 @@ def invalid_inputs(draw):
         bad = "seq_lens"
         i = draw(st.sampled_from(with_q))
         sl[i] = q[i] - 1
+    elif kind == "cu_empty_sequence" and q_lens is not None and s >= 2:
+        bad = "cu_seqlens_q"  # a sequence without query rows: its rows go to the next one
+        i = draw(st.integers(0, s - 2))
+        ins["cu_seqlens_q"][i + 1] = ins["cu_seqlens_q"][i]
     elif kind in ("cu_not_monotone", "cu_wrong_end", "cu_shape") and q_lens is not None:
         bad = "cu_seqlens_q"
         cu = ins["cu_seqlens_q"]
