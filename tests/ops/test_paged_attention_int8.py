@@ -51,10 +51,12 @@ def _case(rng, lens, q_lens=None, hq=8, hkv=2, d=128, b=16, dtype=np.float32, sp
     return ins, float(np.abs(v).max(initial=0.0))
 
 
-def _assert_matches(got, ins, vmax, *, moved_unit: int = 1, **attrs):
+def _assert_matches(got, ins, vmax, *, moved_unit: int = 1, count_moved_rows: bool = True, **attrs):
     """``moved_unit``: count rows that moved a W code per group of that many consecutive q heads
     (those sharing a kv head share its W codes whenever the scores do not depend on the query,
-    e.g. keys near zero, so one rounding tie moves them together)."""
+    e.g. keys near zero, so one rounding tie moves them together). ``count_moved_rows=False``
+    drops that count (the per-element bound stays) where scores do not depend on the query at all
+    (scale 0, keys ~0): then every query row that sees a tied group moves with it."""
     want, step = reference.paged_attention_int8(**ins, **attrs, return_code_step=True)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert np.all(np.isfinite(got)), f"{np.count_nonzero(~np.isfinite(got))} non-finite outputs"
@@ -71,7 +73,7 @@ def _assert_matches(got, ins, vmax, *, moved_unit: int = 1, **attrs):
     moved = np.any(diff > float_bound, axis=-1)
     moved = moved.reshape(*moved.shape[:-1], moved.shape[-1] // moved_unit, moved_unit).any(axis=-1)
     allowed = tol.ATTN_MOVED_ROWS_MIN + tol.ATTN_MOVED_ROWS_FRACTION * moved.size
-    assert moved.sum() <= allowed, (f"{moved.sum()} of {moved.size} rows (groups of {moved_unit} q heads) beyond "
+    assert not count_moved_rows or moved.sum() <= allowed, (f"{moved.sum()} of {moved.size} rows (groups of {moved_unit} q heads) beyond "
                                     f"float rounding: {np.argwhere(moved)[:6].tolist()}")
 
 
