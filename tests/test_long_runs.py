@@ -28,6 +28,7 @@ from ort_ops.ops import (dynamic_quant, grouped_matmul_dequant, grouped_matmul_s
 from ort_ops.ops._run import make_session
 from ort_ops.ops.paged_attention_int8 import build_paged_cache
 from ort_ops.runtime import PagedRunner
+from tests.property import _harness as h
 from tests.ops.test_paged_attention_int8 import _assert_matches
 from tests.test_runtime import BLOCK, _paged_model
 from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL
@@ -175,21 +176,9 @@ def _all_op_cases(rng):
 
 
 def _run_bound(sess, schema, inputs, in_place):
-    """One Run through IOBinding, in-place outputs on the inputs' own buffers; outputs as bytes."""
-    io = sess.io_binding()
-    values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in inputs.items()}
-    for k, v in values.items():
-        io.bind_ortvalue_input(k, v)
-    outputs = [o.name for o in sess.get_outputs()]  # the schema's, less optional ones left out
-    for o in outputs:
-        if o in in_place:
-            io.bind_ortvalue_output(o, values[in_place[o]])
-        else:
-            io.bind_output(o)
-    sess.run_with_iobinding(io)
-    outs = io.get_outputs()
-    return [inputs[in_place[o]].tobytes() if o in in_place else outs[i].numpy().tobytes()
-            for i, o in enumerate(outputs)]
+    """One Run through IOBinding on ``sess``, in-place outputs on the inputs' own buffers (the
+    property tests' harness); outputs as bytes."""
+    return [a.tobytes() for a in h.run(schema, inputs, in_place=in_place, sess=sess)]
 
 
 def test_eight_threads_all_ops_equal_single_threaded():

@@ -66,17 +66,18 @@ def session(schema: OpSchema, inputs: Mapping[str, np.ndarray | None], attrs: Ma
 
 
 def run(schema: OpSchema, inputs: Mapping[str, np.ndarray | None], attrs: Mapping[str, Any] | None = None, *,
-        in_place: Mapping[str, str] | None = None, isa: str | None = None) -> list[np.ndarray]:
+        in_place: Mapping[str, str] | None = None, isa: str | None = None, sess=None) -> list[np.ndarray]:
     """Runs one node through IOBinding; returns the outputs in schema order (optional outputs only
     when the model has them: ``single_op_model`` adds them with the optional inputs they answer).
 
     Every input is wrapped as an OrtValue over its own numpy buffer (no copy); ``in_place`` maps an
     output name to the input whose OrtValue it is bound to (the paged cache's in-place update), so
-    after the Run that numpy array holds the output.
+    after the Run that numpy array holds the output. ``sess``: run on this session instead of the
+    cached one (a thread's own session).
     """
     attrs = dict(attrs or {})
     in_place = dict(in_place or {})
-    sess = session(schema, inputs, attrs, isa)
+    sess = sess or session(schema, inputs, attrs, isa)
     io = sess.io_binding()
     values = {}
     for name, arr in inputs.items():
