@@ -4,7 +4,7 @@
     python benchmarks/eval_perplexity.py --models DIR [--contexts 512,2048,4096] [--windows 4]
                                          [--score 128] [--variants NAME,...] [--peers NAME,...]
                                          [--agreement 128] [--block-size 16] [--threads 2]
-                                         [--json out.json]
+                                         [--device cpu|cuda] [--json out.json]
 
 DIR is what graphs/train_models.py writes: ``<model>.onnx`` (dense, moe, moe_shared; whichever
 exist), ``eval_tokens.npy`` (the held-out token stream) and ``manifest.json`` (seed, config).
@@ -18,7 +18,7 @@ the paired standard error of its mean NLL change over those predictions (x 100: 
 perplexity, since d ppl / ppl ~ d NLL): a change within about two of them is not resolved by
 this much text.
 
-  float      the exported model on stock onnxruntime (CPU EP, fp32): one forward over the whole
+  float      the exported model on stock onnxruntime (fp32; CPU EP, or CUDA EP with --device cuda): one forward over the whole
              window with an empty past (the same predictions as prefill + decode, no cache
              quantization to differ by);
   rewrites   ``ort_ops.rewrite`` variants. Paged ones (attention fused) run through
@@ -114,12 +114,13 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def score_dense(model, windows: np.ndarray, score: int, *, with_library: bool = False,
-                threads: int | None = None) -> np.ndarray:
+                threads: int | None = None, device: str = "cpu") -> np.ndarray:
     """NLL [W, score] of each window's last ``score`` tokens, one forward per window over the
     whole window (an ordinary decoder: stock onnxruntime, or the library for MoE-only rewrites)."""
-    from ort_ops.runtime import DenseRunner
+    from ort_ops.runtime import DenseRunner, resolve_device
 
-    runner = DenseRunner(model, with_library=with_library, intra_op_threads=threads)
+    runner = DenseRunner(model, providers=resolve_device(device)[1], with_library=with_library,
+                         intra_op_threads=threads)
     w, length = windows.shape
     out = np.zeros((w, score), np.float64)
     for i in range(w):
@@ -131,7 +132,7 @@ def score_dense(model, windows: np.ndarray, score: int, *, with_library: bool = 
 
 
 def score_paged(model, windows: np.ndarray, score: int, *, block_size: int = 16,
-                threads: int | None = None) -> np.ndarray:
+                threads: int | None = None, device: str = "cpu") -> np.ndarray:
     """NLL [W, score] through the paged runtime: all windows prefilled with their first
     L - score tokens in one packed step, then decoded one true token per step, together."""
     from ort_ops.runtime import PagedKVCache, PagedRunner, paged_metadata
@@ -141,8 +142,9 @@ def score_paged(model, windows: np.ndarray, score: int, *, block_size: int = 16,
         raise ValueError(f"eval_perplexity: --score must be in 1..{length - 1} for {length}-token windows, got {score}")
     meta = paged_metadata(model)
     blocks = w * -(-length // meta["block_size"]) + 1
-    cache = PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], blocks)
-    runner = PagedRunner(model, cache, intra_op_threads=threads)
+    cache = PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], blocks,
+                         device="cuda" if device == "cuda" else None)
+    runner = PagedRunner(model, cache, device=device, intra_op_threads=threads)
     out = np.zeros((w, score), np.float64)
     prefill = length - score
     logits = runner.step({i: windows[i, :prefill] for i in range(w)})           # [W, V]: predicts token `prefill`
@@ -292,13 +294,13 @@ def held_out_prompts(stream: np.ndarray, count: int = 4, length: int = 64) -> li
 
 def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, block_size: int,
              threads: int | None, agreement: int, peers=(), calib_windows: int = 8, only=MODEL_NAMES,
-             log=print) -> dict:
+             log=print, device: str = "cpu") -> dict:
     stream = np.load(models_dir / "eval_tokens.npy")
     manifest_path = models_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     report = {"models_dir": str(models_dir), "seed": manifest.get("seed"), "config": manifest.get("config", {}).get("name"),
               "heldout_tokens": int(stream.size), "windows": windows, "score": score, "block_size": block_size,
-              "models": {}}
+              "device": device, "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="eval_ppl_"))
     for name in only:
         path = models_dir / f"{name}.onnx"
@@ -310,7 +312,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
         for ctx in contexts:
             win = eval_windows(stream, ctx, windows)
             t = time.time()
-            nll = score_dense(str(path), win, min(score, ctx - 1), threads=threads)
+            nll = score_dense(str(path), win, min(score, ctx - 1), threads=threads, device=device)
             float_nll[ctx] = nll
             entry["float"][str(ctx)] = {"ppl": perplexity(nll), "nll": float(nll.mean()), "windows": int(win.shape[0]),
                                         "seconds": round(time.time() - t, 1)}
@@ -326,14 +328,14 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
                 win = eval_windows(stream, ctx, windows)
                 s = min(score, ctx - 1)
                 t = time.time()
-                nll = (score_paged(str(rew), win, s, block_size=block_size, threads=threads) if paged else
-                       score_dense(str(rew), win, s, with_library=True, threads=threads))
+                nll = (score_paged(str(rew), win, s, block_size=block_size, threads=threads, device=device) if paged else
+                       score_dense(str(rew), win, s, with_library=True, threads=threads, device=device))
                 res[str(ctx)] = {**compare_to_float(nll, float_nll[ctx]), "seconds": round(time.time() - t, 1)}
             if agreement:
                 from ort_ops.verify import verify
 
                 v = verify(str(path), str(rew), prompts=held_out_prompts(stream), max_new_tokens=agreement,
-                           eos_token_id=-1)
+                           eos_token_id=-1, device=device)
                 res["agreement"] = {"teacher_forced": v["overall"]["token_agreement"],
                                     "free_running": v["overall"]["free_running"]["token_agreement"],
                                     "logits_max_abs_err": v["overall"]["logits_max_abs_err"],
@@ -360,7 +362,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
             res = {"emulated": True, **detail}
             for ctx in contexts:
                 win = eval_windows(stream, ctx, windows)
-                nll = score_dense(str(emu), win, min(score, ctx - 1), threads=threads)
+                nll = score_dense(str(emu), win, min(score, ctx - 1), threads=threads, device=device)
                 res[str(ctx)] = compare_to_float(nll, float_nll[ctx])
             entry["peer " + label] = res
         report["models"][name] = entry
@@ -404,6 +406,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
     ap.add_argument("--agreement", type=int, default=0, help="greedy agreement over N new tokens (0: skip)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="execution provider of every session (cuda: ORT's CUDA EP; the paged cache on the GPU)")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
     models_dir = Path(args.models)
@@ -424,7 +428,7 @@ def main(argv=None) -> int:
     report = evaluate(models_dir, contexts=contexts, windows=args.windows, score=args.score, variants=variants,
                       block_size=args.block_size, threads=args.threads, agreement=args.agreement, peers=peers,
                       calib_windows=args.calib_windows, only=[n for n in args.only.split(",") if n],
-                      log=lambda s: print(s, file=sys.stderr, flush=True))
+                      log=lambda s: print(s, file=sys.stderr, flush=True), device=args.device)
     print(format_table(report, contexts))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

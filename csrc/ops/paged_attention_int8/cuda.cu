@@ -937,6 +937,15 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     }
     __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
   }
+  if constexpr (VROWS) {
+    // Pair 0 has one more 64-key stage than pair 1 when the split's count is odd. Pair 1 passes
+    // as many pair barriers anyway, so that every warp reaches the merge's __syncthreads having
+    // passed the same number of barriers: compute-sanitizer's racecheck orders shared-memory
+    // accesses by that count, and without this reports the wm / wl writes and reads below as
+    // hazards between warps of different pairs (the hardware needs no such padding).
+    const int nwp_pair0 = nst64 > 0 ? (nst64 + DW / 2 - 1) / (DW / 2) : 0;
+    for (int i = nwp; i < nwp_pair0; ++i) pair_barrier(warp);
+  }
   cp_async_wait<0>();
 
   // ---- merge the warps by log-sum-exp, then write O / l (and m, l for the split merge) ----
