@@ -317,6 +317,9 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
             entry["float"][str(ctx)] = {"ppl": perplexity(nll), "nll": float(nll.mean()), "windows": int(win.shape[0]),
                                         "seconds": round(time.time() - t, 1)}
         for label in variants:
+            if device == "cuda" and VARIANTS[label].get("qk_quant") == "none":
+                log(f"{name}: {label}: skipped (the CUDA EP runs qk_quant s8 only)")
+                continue
             t = time.time()
             rew, paged, fused = make_variant(path, label, tmp, block_size)
             if rew is None:

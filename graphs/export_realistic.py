@@ -173,10 +173,29 @@ def export_transformers(model, path: Path, external: bool) -> None:
         cache.update(kv[2 * i], kv[2 * i + 1], i)
     exported = OnnxExporter().export(model, {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
                                              "past_key_values": cache}, OnnxConfig(dynamic=True))
+    # transformers 5.2x wraps the ir.Model as ``.program``; earlier 5.x return torch's ONNXProgram,
+    # whose ir.Model is ``.model``.
+    program = exported.program if hasattr(exported, "program") else exported.model
     if external:
-        ir.save(exported.program, str(path), external_data=path.name + ".data")
+        ir.save(program, str(path), external_data=path.name + ".data")
     else:
-        ir.save(exported.program, str(path))
+        ir.save(program, str(path))
+
+
+def save_tokenizer(folder: Path, vocab: int) -> None:
+    """A fast tokenizer of ``vocab`` byte-level word pieces beside the checkpoint: onnxruntime-genai's
+    model builder reads one from the checkpoint folder (without it, it tries to convert a slow one,
+    which needs sentencepiece). The benchmarks feed token ids; the pieces themselves are arbitrary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab):
+        pieces[f"t{i}"] = i
+    tok = Tokenizer(models.WordLevel(pieces, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(folder))
 
 
 def _finish(path: Path, props: dict) -> None:
@@ -214,6 +233,7 @@ def build(family: str, out: Path, *, dtype: str = "fp16", tiny: bool = False, la
                                                  if k != "rope_parameters"})})
     if checkpoint:
         model.save_pretrained(str(out / "checkpoint"))
+        save_tokenizer(out / "checkpoint", model.config.vocab_size)
     return path
 
 

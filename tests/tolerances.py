@@ -112,6 +112,13 @@ ATTN_REWRITE_EMULATED_LOGITS_ATOL = 5e-3
 # greedy steps of 4 prompts. 0.25 leaves room for other random prompts; a broken rewrite is off
 # by whole logits.
 ATTN_REWRITE_LOGITS_ATOL = 0.25
+# The same s8/s8 paged model on the CPU and on the CUDA EP (tests/test_runtime_cuda.py). The
+# kernels share the contract but not their exp (CUDA: ex2.approx) nor the float MatMuls around
+# them (MLAS vs cuBLAS, TF32 off), so at a rounding tie a Q or W code moves by 1 (DESIGN.md),
+# moving that attention row by one code step x |V| and the logits by ~1e-2: measured 0.015 at
+# most over 8 teacher-forced steps of 4 prompts with chunked prefill (H200). 0.05 bounds a few
+# such moves; a wrong slot, position, block or layer is off by O(1).
+ATTN_CPU_VS_CUDA_LOGITS_ATOL = 0.05
 # Greedy decoding, teacher-forced on the fp32 model's tokens: share of steps where the rewritten
 # model picks the same token (issue 5 asks >= 95%; measured 0.97-1.0 on the fixtures for prompt
 # seeds 0-2). Free-running agreement is reported, not bounded: after one near-tie flips a token

@@ -135,28 +135,51 @@ def all_node_outputs(model: ir.Model) -> list[ir.Value]:
     return [o for n in model.graph if n.op_type != "Constant" for o in n.outputs if o is not None and o.name]
 
 
-def run_probe(model: ir.Model, values: Sequence[ir.Value], feeds: dict) -> dict[str, np.ndarray]:
-    """Runs ``model`` (unchanged; a copy with ``values`` as extra outputs) on stock onnxruntime."""
+# Models with more initializer bytes than this, or with any initializer in an external file, are
+# probed from a temporary file: a serialized protobuf cannot exceed 2 GiB, and onnxruntime refuses
+# a model given as bytes whose tensors name external files (it has no folder to resolve them in).
+PROBE_INLINE_LIMIT = 1 << 30
+
+
+def probe_session(model: ir.Model, extra_outputs: Sequence[ir.Value], so):
+    """A CPU-EP onnxruntime session of ``model`` with ``extra_outputs`` added as graph outputs
+    (taken out again before returning: the caller's model is unchanged)."""
+    import tempfile
+
     import onnxruntime as ort
 
-    proto = ir.serde.serialize_model(model)
-    present = {o.name for o in proto.graph.output}
-    import onnx
+    graph = model.graph
+    added = [v for v in dict.fromkeys(extra_outputs) if not v.is_graph_output()]
+    graph.outputs.extend(added)
+    try:
+        consts = [v.const_value for v in graph.initializers.values() if v.const_value is not None]
+        external = any(isinstance(t, ir.ExternalTensor) for t in consts)
+        if external or sum(t.nbytes for t in consts) > PROBE_INLINE_LIMIT:
+            with tempfile.TemporaryDirectory(prefix="ort_ops_probe_") as tmp:
+                path = f"{tmp}/probe.onnx"
+                ir.save(model, path, external_data="probe.onnx.data")
+                return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        data = ir.serde.serialize_model(model).SerializeToString()
+        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    finally:
+        for v in added:
+            graph.outputs.remove(v)
 
-    for v in values:
-        if v.name not in present:
-            proto.graph.output.append(onnx.ValueInfoProto(name=v.name))
-            present.add(v.name)
+
+def run_probe(model: ir.Model, values: Sequence[ir.Value], feeds: dict) -> dict[str, np.ndarray]:
+    """Runs ``model`` (unchanged; ``values`` become extra outputs for the run) on stock onnxruntime."""
+    import onnxruntime as ort
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4  # a failing probe is reported as a decline reason, not logged
     from ort_ops._domain import DOMAIN
 
-    if any(o.domain == DOMAIN for o in proto.opset_import):  # e.g. MoE already fused
+    if any(n.domain == DOMAIN for n in model.graph):  # e.g. MoE already fused
         from ort_ops._lib import session_options
 
         session_options(so)
-    sess = ort.InferenceSession(proto.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = probe_session(model, values, so)
     names = [v.name for v in values]
     outs = sess.run(names, feeds)
     return dict(zip(names, outs))

@@ -75,6 +75,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
+from ort_ops.rewrite._graph import probe_session
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -603,18 +604,11 @@ def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dic
     return feeds
 
 
-# Models whose initializers exceed this are probed from a temporary file with external data
-# (a serialized protobuf cannot exceed 2 GiB).
-PROBE_INLINE_LIMIT = 1 << 30
-
-
 class _Prober:
     """One onnxruntime session of the (unmodified) model with the wanted intermediate values as
     extra outputs; ``run(tokens)`` feeds synthetic inputs of that many positions."""
 
     def __init__(self, model: ir.Model, wanted: list[ir.Value]):
-        import tempfile
-
         import onnxruntime as ort
 
         self.model = model
@@ -627,22 +621,7 @@ class _Prober:
             so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.log_severity_level = 4
-        graph = model.graph
-        added = [v for v in dict.fromkeys(wanted) if not v.is_graph_output()]
-        graph.outputs.extend(added)  # taken out again below: the caller's model is unchanged
-        try:
-            size = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
-            if size > PROBE_INLINE_LIMIT:
-                with tempfile.TemporaryDirectory(prefix="ort_ops_moe_probe_") as tmp:
-                    path = f"{tmp}/probe.onnx"
-                    ir.save(model, path, external_data="probe.onnx.data")
-                    self.session = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-            else:
-                data = ir.serde.serialize_model(model).SerializeToString()
-                self.session = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-        finally:
-            for v in added:
-                graph.outputs.remove(v)
+        self.session = probe_session(model, wanted, so)
 
     def run(self, tokens: int) -> dict[str, np.ndarray]:
         feeds = _probe_inputs(self.model.graph, tokens, np.random.default_rng(tokens))

@@ -856,7 +856,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
         {"interface": "paged" | "prefill" | "unchanged", "forms": {form: count}}.
     """
     result = FusionResult(kind="attention")
-    work = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    work = model.clone()  # the probe copy; tensors shared (external ones keep their folder)
     _shape_inference(work)
     past = _find_past(work)
     paged = bool(past)

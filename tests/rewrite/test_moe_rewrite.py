@@ -339,9 +339,9 @@ def test_full_rewrite_of_kv_model_runs_paged():
 def test_rewrite_is_idempotent_and_probes_large_models_from_a_file(monkeypatch):
     """A rewritten model rewritten again is left as it is, silently; a model over the inline
     limit is probed from a temporary file with external data (forced here by a zero limit)."""
-    import ort_ops.rewrite.moe as moe_mod
+    import ort_ops.rewrite._graph as graph_mod
 
-    monkeypatch.setattr(moe_mod, "PROBE_INLINE_LIMIT", 0)
+    monkeypatch.setattr(graph_mod, "PROBE_INLINE_LIMIT", 0)
     model = ir.load(str(FIXTURES / "mixtral_dynamo_batched.onnx"))
     outputs = [v.name for v in model.graph.outputs]
     first = fuse_moe(model)

@@ -114,6 +114,19 @@ def test_fixture_form_fused(name):
         assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
 
 
+def test_model_with_external_data_is_probed_from_a_file(tmp_path):
+    """A model whose weights live in an external file (every export over 2 GB) fuses: the mask
+    probe saves it to a temporary folder with its data, since onnxruntime refuses a model given
+    as bytes whose tensors name external files."""
+    src = tmp_path / "model.onnx"
+    ir.save(ir.load(_path("tx_sdpa_kv")), str(src), external_data="model.onnx.data")
+    model = ir.load(str(src))
+    assert any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+    _, results = rewrite_model(model, block_size=16)
+    att = next(r for r in results if r.kind == "attention")
+    assert att.fused == LAYERS, [(d.where, d.reason) for d in att.declined]
+
+
 @pytest.mark.parametrize("name", KV_FIXTURES)
 def test_fixture_equals_emulated_kv_quantization(name):
     """qk_quant = pv_quant = none leaves K/V INT8 as the only change: the rewritten model must
