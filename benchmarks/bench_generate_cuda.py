@@ -101,7 +101,7 @@ def prepare(args) -> dict:
         import ort_ops
 
         print(f"ort-ops rewrite {orig} -> {rew} ...", file=sys.stderr)
-        _, results = ort_ops.rewrite(str(orig), str(rew), block_size=args.block_size)
+        _, results = ort_ops.rewrite_model(str(orig), str(rew), block_size=args.block_size)
         for r in results:
             print(f"  {r.kind}: {r.fused} fused" + "".join(f"; declined {d.where}: {d.reason}" for d in r.declined),
                   file=sys.stderr)

@@ -178,7 +178,7 @@ def make_variant(model_path: Path, label: str, out_dir: Path, block_size: int):
 
     kw = VARIANTS[label]
     out = out_dir / f"{model_path.stem}.{label.replace(' ', '_').replace('/', '-')}.onnx"
-    _, results = ort_ops.rewrite(str(model_path), str(out), block_size=block_size, **kw)
+    _, results = ort_ops.rewrite_model(str(model_path), str(out), block_size=block_size, **kw)
     fused = {r.kind: r.fused for r in results}
     if (kw.get("moe") and not fused.get("moe")) or (kw.get("attention") and not fused.get("attention")):
         return None, False, fused

@@ -23,7 +23,7 @@ DEFAULT = HERE.parent / "tests" / "fixtures" / "attention" / "tx_sdpa_kv.onnx"
 def main() -> int:
     src = sys.argv[1] if len(sys.argv) > 1 else str(DEFAULT)
     out = "/tmp/ort_ops_example.int8.onnx"
-    _, results = ort_ops.rewrite(src, out)
+    _, results = ort_ops.rewrite_model(src, out)
     for r in results:
         print(f"{r.kind}: fused {r.fused} {r.details}")
         for d in r.declined:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""``ort-ops rewrite``, ``ort-ops verify`` and ``ort-ops bench`` (registered into ``ort_ops.cli._SUBCOMMANDS``).
+"""``ort-ops rewrite``, ``ort-ops verify`` and ``ort-ops bench`` (added to the parser by ``ort_ops.cli.build_parser``).
 
 Errors are ValueError/FileNotFoundError with a one-line message; ``cli.main`` prints it and
 exits 2. ``verify`` exits 1 when the rewritten model fails the check (agreement below

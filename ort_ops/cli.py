@@ -40,7 +40,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
           f"ORT >= {build['min_ort_version']}; headers API {build['headers_ort_api_version']})")
     print(f"  onnxruntime      {info['onnxruntime_version']}")
     isa = build["cpu_isa"]
-    print(f"  CPU features     " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in isa.items()))
+    print("  CPU features     " + ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in isa.items()))
     cap = f" (capped by ORT_OPS_CPU_ISA={info['cpu_isa_cap']})" if info["cpu_isa_cap"] else ""
     print(f"  CPU kernels      {info['cpu_isa_in_use']}{cap}")
     cuda = f"built for {build['cuda_archs']} ({build.get('cuda_runtime', '')})" if build["cuda"] else "not built"
@@ -57,23 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="package, library, ORT version, CPU features, CUDA build status")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_cmd_info)
-    for register in _SUBCOMMANDS:
-        register(sub)
-    return p
-
-
-# Further subcommands register themselves here: each is a function(subparsers) that adds its
-# parser and sets ``func``.
-_SUBCOMMANDS: list = []
-
-
-def _register_rewrite_verify(sub) -> None:
-    from ort_ops._commands import register
+    from ort_ops._commands import register  # rewrite, verify, bench (imports numpy, onnx-ir)
 
     register(sub)
-
-
-_SUBCOMMANDS.append(_register_rewrite_verify)
+    return p
 
 
 def _is_user_error(e: Exception) -> bool:

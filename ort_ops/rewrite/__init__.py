@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: MIT
 """Graph rewrites: exported models -> models that run on the ort_ops INT8 ops.
 
-``rewrite_model`` (``ort_ops.rewrite(...)``) loads a model, runs the enabled fusions of
+``rewrite_model`` (also ``ort_ops.rewrite_model``) loads a model, runs the enabled fusions of
 ``pipeline.FUSIONS`` and saves the result; ``ort-ops rewrite`` is its command line. This module
 stays import-light: the fusions load onnxscript/onnx_ir when they run.
 """
@@ -112,14 +112,3 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
     if output is not None:
         save_model(m, output)
     return m, results
-
-
-class _CallableModule(__import__("types").ModuleType):
-    """``ort_ops.rewrite(...)`` calls ``rewrite_model`` while ``ort_ops.rewrite.<module>`` stays
-    the subpackage (a plain function of that name would shadow the submodules)."""
-
-    def __call__(self, *args, **kwargs):
-        return rewrite_model(*args, **kwargs)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule
