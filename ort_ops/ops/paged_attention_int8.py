@@ -232,14 +232,16 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant, ke
         visible &= kpos > qpos - window                                            # sliding window
     s = np.where(visible, s, np.float32(-np.inf))
     # P = softmax over the visible keys (and the sink, which joins the denominator only);
-    # W = P * sV (V's per-token scale folded into P).
+    # W = P * sV (V's per-token scale folded into P). m is the keys' max even with a sink, as in
+    # the kernels: e = exp(s - m) keeps its relative precision (exp(s - sink) for a sink far above
+    # the scores would round s - sink to the sink's ulp and move W codes at ties). A sink more than
+    # ~88 above m makes exp(sink - m) inf and P = 0: the true P is then below e^-88.
     m = s.max(axis=1, keepdims=True)
-    if sink is not None:
-        m = np.maximum(m, np.float32(sink))
     e = np.exp(s - m).astype(np.float32)
     den = e.sum(axis=1, keepdims=True, dtype=np.float32)
     if sink is not None:
-        den = (den + np.exp(np.float32(sink) - m)).astype(np.float32)
+        with np.errstate(over="ignore"):
+            den = (den + np.exp(np.float32(sink) - m)).astype(np.float32)
     p = (e / den).astype(np.float32)
     w = (p * sv[None, :]).astype(np.float32)
     if pv_quant == "none":
