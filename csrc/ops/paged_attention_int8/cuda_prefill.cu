@@ -52,9 +52,10 @@
 // (aligned down to 32, or 64 for blocks of 64+), 16-key chunks wholly before it are not read
 // (B 16: their blocks lie wholly before the window), stages before every row's window are
 // skipped and the window's lower bound joins the mask. Softcap where the scores are made; the
-// sink in the final denominator (or the merge kernel's, with splits). Keys are split across CTAs only when the row tiles do not fill the GPU
-// (cuda.cu's wave model; at 512 new tokens x 32 heads there are 256 CTAs, one split); splits
-// write O / l, m, l to the workspace and cuda.cu's merge kernel combines them.
+// sink in the final denominator (or the merge kernel's, with splits). Keys are split across CTAs
+// only when the row tiles do not fill the GPU (cuda.cu's wave model; at 512 new tokens x 32 heads
+// there are 256 CTAs, one split); splits write O / l, m, l to the workspace and cuda.cu's merge
+// kernel combines them.
 // Not matrix-bound: with 2 warps per scheduler (two CTAs an SM by registers) the kernel waits on
 // fixed-latency dependencies, about 1200 instructions per warp per stage against 64 IMMA, so INT8
 // P.V wins by instructions: the float twin executes more (V to fp16, the W / max divisions,
