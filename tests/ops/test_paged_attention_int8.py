@@ -7,6 +7,8 @@ partial groups and blocks), prefill chunks with history, every head_dim and bloc
 ratios, float16 queries, scattered block tables with -1 padding and random bytes in unused
 slots. The INT8 P.V paths are checked where 16-bit saturation would bite (W codes 255 against
 V codes +-127, -128 codes), and the error budget against fp64 attention at 4k, 8k, 16k keys.
+Sliding windows, logit softcaps and attention sinks: alone and together on every variant, against
+the reference and (float paths) fp64 exact_attention, and a poisoned cache before the window.
 Tolerances: tests/tolerances.py.
 """
 

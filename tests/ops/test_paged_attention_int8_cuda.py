@@ -3,7 +3,8 @@
 
 The launchers run through ctypes (ort_ops.testing.attention_launchers) on torch CUDA tensors; every test is
 ``@pytest.mark.cuda`` and skips with the reason when torch, a GPU or a CUDA build is missing.
-QuantizeKVCache codes and scales are bit-exact. PagedAttentionInt8 outputs are within the
+QuantizeKVCache codes and scales are bit-exact. PagedAttentionInt8 outputs (also with window,
+softcap and head_sink, every kernel) are within the
 bounds in tests/tolerances.py (why: the kernel's exp and summation order differ from numpy's,
 which can move a W code by one at a rounding tie). Outputs are poisoned with NaN before each
 run, so an unwritten element fails.
