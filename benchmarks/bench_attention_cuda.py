@@ -286,8 +286,9 @@ def make_paged_cache(batch, context, hkv, d, block, gen):
     return kc, vc, ks, vs, tables, lens
 
 
-def dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, scale, seqs):
-    """float32 attention on the dequantized cache for the first `seqs` sequences (causal)."""
+def dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, scale, seqs, window=0):
+    """float32 attention on the dequantized cache for the first `seqs` sequences (causal; with a
+    window > 0 the query at p sees keys p - window < k <= p)."""
     outs = []
     hq = q.shape[1]
     hkv, block = kc.shape[1], kc.shape[2]
@@ -307,6 +308,8 @@ def dequantized_attention(q, kc, vc, ks, vs, tables, lens, cu, scale, seqs):
         sc = torch.einsum("nhd,hld->hnl", qs, kk) * scale
         qpos = length - n + torch.arange(n, device="cuda")
         sc = sc.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        if window > 0:
+            sc = sc.masked_fill(pos[None, None, :] <= qpos[None, :, None] - window, float("-inf"))
         outs.append(torch.einsum("hnl,hld->nhd", torch.softmax(sc, dim=-1), vv))
     return torch.cat(outs)
 
@@ -348,22 +351,24 @@ def bench_decode(args, writer, flush, gen):
         for ctx in args.context:
             kc, vc, ks, vs, tables, lens = make_paged_cache(batch, ctx, hkv, d, args.block, gen)
             q = (torch.randn((batch, hq, d), device="cuda", generator=gen) * 2).half()
-            kv_bytes = batch * ctx * hkv * (2 * d + 8)
+            # Bytes the launch must read: the window's span of each context (all of it without one).
+            span = min(ctx, args.window) if args.window > 0 else ctx
+            kv_bytes = batch * span * hkv * (2 * d + 8)
             scale = 1.0 / math.sqrt(d)
-            ref = dequantized_attention(q, kc, vc, ks, vs, tables, lens, None, scale, min(batch, 2))
+            ref = dequantized_attention(q, kc, vc, ks, vs, tables, lens, None, scale, min(batch, 2), args.window)
             # GPU-timed launches of this case, captured, then timed interleaved: name -> row fields.
             replays, meta = {}, {}
             for pv in args.pv:
                 for splits in args.splits:
                     pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
-                                              partition_size=args.partition, num_splits=splits)
+                                              partition_size=args.partition, num_splits=splits, window=args.window)
                     out = pa()
                     st = pa.status()
                     rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
                     name = f"ours-{pv}" + (f" splits={pa.nsplit}" if len(args.splits) > 1 else "")
                     replays[name] = prepare(pa)
                     meta[name] = {"impl": f"ours-{pv}", "nbytes": kv_bytes, "rel": rel, "splits": pa.nsplit, "status": st}
-            if "ours-ort" in peers:
+            if "ours-ort" in peers and args.window == 0:  # its session has no window attribute
                 for pv in args.ort_pv:
                     if why.get("ours-ort"):
                         break
@@ -515,6 +520,9 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--partition", type=int, default=256)
+    ap.add_argument("--window", type=int, default=0,
+                    help="decode: PagedAttentionInt8's sliding window for ours (0: none; peers ignore it, "
+                         "so compare ours against its own run without --window)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--prefill-new", type=int, default=512)
     ap.add_argument("--prefill-kernels", nargs="+", default=["prefill", "general"], choices=["prefill", "general"],

@@ -19,7 +19,8 @@ from ort_ops._lib import _cdll, build_info, get_library_path
 
 PV_QUANT = {"none": 0, "s8": 1, "u8": 2}
 PA_STATUS = {1: "block_tables entry out of range", 2: "seq_lens out of range", 4: "cu_seqlens_q invalid",
-             8: "query not finite", 16: "decode_with_cu: a sequence has not exactly one query row"}
+             8: "query not finite", 16: "decode_with_cu: a sequence has not exactly one query row",
+             32: "head_sink not finite"}
 QKV_STATUS = {1: "slot_mapping entry out of range", 2: "key/value not finite"}
 
 
@@ -46,7 +47,7 @@ def _lib() -> ctypes.CDLL:
     f = lib.ort_ops_cuda_paged_attention_int8
     f.restype = ctypes.c_int
     f.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, vp, vp, vp, ip, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                  ctypes.c_int, vp, vp, vp, ctypes.c_char_p, ctypes.c_int]
+                  ctypes.c_int, ctypes.c_float, vp, vp, vp, vp, ctypes.c_char_p, ctypes.c_int]
     f = lib.ort_ops_cuda_paged_attention_int8_workspace
     f.restype = ctypes.c_longlong
     f.argtypes = [ip, ctypes.c_int, ctypes.c_int, ip]
@@ -63,11 +64,13 @@ def _ptr(t) -> int | None:
 
 class PagedAttention:
     """One configured PagedAttentionInt8 launch: workspace and status allocated once, so that
-    ``__call__`` only launches (no synchronization; benchmarks time it in a loop)."""
+    ``__call__`` only launches (no synchronization; benchmarks time it in a loop). Tensors are
+    torch CUDA tensors in the op's input order (head_sink: float32 [Hq] or None); ``window`` and
+    ``softcap`` are the op's attributes (0: off)."""
 
     def __init__(self, query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
-                 cu_seqlens_q=None, *, scale=None, pv_quant="s8", partition_size=256, num_splits=0,
-                 max_q_len=None, max_context=None, out=None, decode_with_cu=False):
+                 cu_seqlens_q=None, head_sink=None, *, scale=None, pv_quant="s8", partition_size=256, num_splits=0,
+                 max_q_len=None, max_context=None, out=None, decode_with_cu=False, window=0, softcap=0.0):
         import torch
 
         t, hq, d = query.shape
@@ -77,8 +80,11 @@ class PagedAttention:
             max_q_len = 1 if cu_seqlens_q is None or decode_with_cu else t
         if max_context is None:
             max_context = m * b
-        self.dims = (ctypes.c_int * 11)(t, s, hq, hkv, d, b, m, n, max_q_len, max_context, int(decode_with_cu))
+        # dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context, decode_with_cu, window (cuda_capi.cu)
+        self.dims = (ctypes.c_int * 12)(t, s, hq, hkv, d, b, m, n, max_q_len, max_context, int(decode_with_cu),
+                                        int(window))
         self.args = (query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens, cu_seqlens_q)
+        self.softcap, self.head_sink = float(softcap), head_sink  # head_sink: float32 [Hq] on the device
         self.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         self.pv = PV_QUANT[pv_quant]
         self.partition_size, self.num_splits = partition_size, num_splits
@@ -100,7 +106,7 @@ class PagedAttention:
         rc = _lib().ort_ops_cuda_paged_attention_int8(
             _ptr(q), int(q.dtype == torch.float16), _ptr(kc), _ptr(vc), _ptr(ks), _ptr(vs), _ptr(bt), _ptr(sl),
             _ptr(cu), _ptr(self.out), self.dims, self.scale, self.pv, self.partition_size, self.num_splits,
-            _ptr(self.workspace), _ptr(self.status_word), st, self.msg, len(self.msg))
+            self.softcap, _ptr(self.head_sink), _ptr(self.workspace), _ptr(self.status_word), st, self.msg, len(self.msg))
         if rc == -1:
             raise ValueError(f"PagedAttentionInt8: {self.msg.value.decode()}")
         if rc != 0:

@@ -21,14 +21,14 @@ from ort_ops import build_info, get_library_path
 H200, A100, L4 = (132, 233472), (108, 167936), (58, 102400)
 
 
-def _plan(batch, context, sms, smem, *, hq=32, hkv=8, d=128, block=64):
+def _plan(batch, context, sms, smem, *, hq=32, hkv=8, d=128, block=64, window=0):
     if not build_info()["cuda"]:
         pytest.skip("the ort_ops library was built without CUDA")
     fn = ctypes.CDLL(get_library_path()).ort_ops_cuda_paged_attention_int8_plan
     fn.restype = ctypes.c_int
     m = context // block
-    # dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context, decode_with_cu
-    dims = (ctypes.c_int * 11)(batch, batch, hq, hkv, d, block, m, batch * m, 1, context, 0)
+    # dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context, decode_with_cu, window
+    dims = (ctypes.c_int * 12)(batch, batch, hq, hkv, d, block, m, batch * m, 1, context, 0, window)
     return fn(dims, 256, sms, smem)
 
 
@@ -47,3 +47,15 @@ def test_decode_split_count_for_other_gpus(gpu, batch, want):
 def test_unsupported_dims_and_limits_are_refused():
     assert _plan(1, 4096, 132, 233472, d=96) == -1
     assert _plan(1, 4096, 0, 233472) == -1
+
+
+@pytest.mark.parametrize("gpu,window,want", [
+    (H200, 4096, 16),  # a window as long as the context: as without one
+    (H200, 1000, 5),   # span 1000 + 63 keys: 5 partitions, all splits in one wave
+    (H200, 200, 2),    # span 263: 2 partitions
+    (L4, 1000, 5),     # 8 CTAs a split, 58 a wave: 5 splits of one partition are one wave (40 CTAs)
+], ids=["h200-w4096", "h200-w1000", "h200-w200", "l4-w1000"])
+def test_decode_with_a_window_splits_its_span(gpu, window, want):
+    """Decode with a window splits the window's span (+ 63 keys of alignment), not the context:
+    the partitions before the window get no CTAs (batch 1, 4096 keys)."""
+    assert _plan(1, 4096, *gpu, window=window) == want

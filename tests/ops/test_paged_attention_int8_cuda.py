@@ -3,7 +3,8 @@
 
 The launchers run through ctypes (ort_ops.testing.attention_launchers) on torch CUDA tensors; every test is
 ``@pytest.mark.cuda`` and skips with the reason when torch, a GPU or a CUDA build is missing.
-QuantizeKVCache codes and scales are bit-exact. PagedAttentionInt8 outputs are within the
+QuantizeKVCache codes and scales are bit-exact. PagedAttentionInt8 outputs (also with window,
+softcap and head_sink, every kernel) are within the
 bounds in tests/tolerances.py (why: the kernel's exp and summation order differ from numpy's,
 which can move a W code by one at a rounding tie). Outputs are poisoned with NaN before each
 run, so an unwritten element fails.
@@ -632,3 +633,167 @@ def test_status_word_in_mapped_host_memory(rng):
         assert status_of(a, split) == 8
         a[5] = _dev(bad_bt)
         assert status_of(a, split) == 9
+
+
+# ---------------------------------------------------------------- window, softcap, head_sink (DESIGN.md)
+# Every kernel: decode_warp_kernel (G <= 8, D 64 / 128), the general kernel (D 256, G 16; and
+# prefill with ORT_OPS_PA_PREFILL=general), the prefill kernel; with and without key splits (the
+# sink joins the final denominator, or the merge kernel's).
+
+def _sinks(rng, hq, kind):
+    if kind == "mixed":
+        return (rng.standard_normal(hq) * 3.0).astype(np.float32)
+    return np.full(hq, {"pos_large": 30.0, "neg_large": -30.0}[kind], np.float32)
+
+
+def _run_extras(query, cache, cu, head_sink=None, **kw):
+    return _run(query, cache, cu, head_sink=None if head_sink is None else _dev(head_sink), **kw)
+
+
+WINDOW_DECODE_CASES = [
+    # (seq lens, Hq, Hkv, D, B, window)
+    ([1, 7, 129, 1025], 8, 2, 128, 16, 70),     # warp decode, B 16: half-stages before the window
+    ([2049, 95, 160, 129], 8, 2, 128, 128, 300),  # warp decode, VROWS (64-key pair stages)
+    ([500, 77, 1], 16, 2, 64, 64, 33),           # warp decode, D 64
+    ([700, 5], 16, 2, 256, 16, 100),              # general kernel (D 256)
+    ([96, 2000], 32, 1, 128, 64, 1000),           # general kernel (G 32)
+    ([1300, 31], 8, 1, 128, 256, 5000),           # window longer than every context
+]
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("case", WINDOW_DECODE_CASES,
+                         ids=lambda c: f"L{'-'.join(map(str, c[0]))}-h{c[1]}x{c[2]}-d{c[3]}-b{c[4]}-w{c[5]}")
+def test_decode_window_softcap_sink(rng, case, pv_quant):
+    lens, hq, hkv, d, b, window = case
+    dtype = "float16" if rng.integers(2) else "float32"
+    query, cache, _ = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, dtype, decode=True)
+    sink = _sinks(rng, hq, "mixed")
+    for attrs in ({"window": window}, {"softcap": 3.0}, {"window": window, "softcap": 30.0}):
+        for hs in (None, sink):
+            want, step = _ref(query, cache, None, pv_quant=pv_quant, partition_size=96, head_sink=hs, **attrs)
+            for split in (0, 1, 3):
+                got, status = _run_extras(query, cache, None, hs, pv_quant=pv_quant, num_splits=split,
+                                          partition_size=96, **attrs)
+                assert status == 0, _cuda.PA_STATUS.get(status, status)
+                _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype,
+                             f"{dtype} {attrs} sink={hs is not None} splits={split}")
+
+
+@pytest.mark.parametrize("kind", ["pos_large", "neg_large", "mixed"])
+@pytest.mark.parametrize("d,b", [(128, 64), (256, 16)])
+def test_decode_sink_with_and_without_splits(rng, kind, d, b):
+    """Sinks far above the scores (+30: outputs shrink by ~e^-30; the bound is relative to the
+    reference's own output) and far below (-30: no effect), merged by the split merge or not."""
+    query, cache, _ = _make_case(rng, [2048, 700, 33], [1, 1, 1], 8, 2, d, b, "float32", decode=True)
+    sink = _sinks(rng, 8, kind)
+    want, step = _ref(query, cache, None, head_sink=sink, partition_size=32)
+    for split in (1, 3, 40, 0):
+        got, status = _run_extras(query, cache, None, sink, partition_size=32, num_splits=split)
+        assert status == 0, _cuda.PA_STATUS.get(status, status)
+        _check_close(got.cpu().numpy(), want, step, cache, "s8", "float32", f"sink {kind} splits={split}")
+
+
+def _poison_before_window(cache, lens, q_lens, window, how):
+    """Blocks wholly before each sequence's first query's window: their block-table entries -1
+    and INT32_MAX in turn ("table": a kernel that reads one flags kPaBlockOutOfRange), or NaN
+    scales and -128 codes in those blocks ("cache")."""
+    out = {k: v.copy() for k, v in cache.items()}
+    b = cache["key_cache"].shape[2]
+    n = 0
+    for s, (length, nq) in enumerate(zip(lens, q_lens)):
+        first = max(0, length - nq - window + 1)
+        for j in range(first // b):
+            if how == "table":
+                out["block_tables"][s, j] = -1 if j % 2 else np.iinfo(np.int32).max
+            else:
+                blk = cache["block_tables"][s, j]
+                for name in ("key_scale", "value_scale"):
+                    out[name][blk] = np.nan
+                for name in ("key_cache", "value_cache"):
+                    out[name][blk] = -128
+            n += 1
+    assert n > 0
+    return out
+
+
+@pytest.mark.parametrize("how", ["table", "cache"])
+@pytest.mark.parametrize("kernel", ["prefill", "general"])
+@pytest.mark.parametrize("d,b", [(128, 16), (128, 64), (64, 32), (256, 16)])
+def test_window_reads_nothing_before_it(monkeypatch, rng, d, b, kernel, how):
+    """DESIGN.md: block-table entries of blocks wholly before the window, and those blocks, are
+    never read (decode: not even launched). Poisoned, nothing is flagged and the output equals
+    the reference on the clean cache, in decode (every kernel the shape reaches, with and without
+    splits) and prefill (the prefill kernel where it applies, and the general one)."""
+    if kernel == "general":
+        monkeypatch.setenv("ORT_OPS_PA_PREFILL", "general")
+    hq, hkv = 8, 2
+    for q_lens, window in (([1, 1, 1], 70), ([40, 1, 70], 45)):
+        lens = [150 + q_lens[0], 300, 700 + q_lens[2]]
+        decode = q_lens == [1, 1, 1]
+        query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, "float32", decode=decode)
+        bad = _poison_before_window(cache, lens, q_lens, window, how)
+        want, step = _ref(query, cache, cu, window=window, partition_size=32)
+        for split in (0, 3):
+            got, status = _run(query, bad, cu, window=window, partition_size=32, num_splits=split)
+            assert status == 0, _cuda.PA_STATUS.get(status, status)
+            _check_close(got.cpu().numpy(), want, step, cache, "s8", "float32",
+                         f"{kernel} {how} decode={decode} splits={split}")
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "general"])
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("case", PREFILL_CASES,
+                         ids=lambda c: f"q{'-'.join(map(str, c[0]))}-h{c[2]}x{c[3]}-d{c[4]}-b{c[5]}")
+def test_prefill_window_softcap_sink(monkeypatch, rng, case, pv_quant, kernel):
+    q_lens, hist, hq, hkv, d, b = case
+    if kernel == "general":
+        monkeypatch.setenv("ORT_OPS_PA_PREFILL", "general")
+    lens = [q + h for q, h in zip(q_lens, hist)]
+    dtype = "float16" if rng.integers(2) else "float32"
+    query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, dtype, decode=False)
+    sink = _sinks(rng, hq, "mixed")
+    for attrs in ({"window": 45}, {"window": 129, "softcap": 5.0}, {"softcap": 0.5}):
+        want, step = _ref(query, cache, cu, pv_quant=pv_quant, head_sink=sink, **attrs)
+        for split, part in ((0, 256), (3, 96)):
+            got, status = _run_extras(query, cache, cu, sink, pv_quant=pv_quant, num_splits=split,
+                                      partition_size=part, **attrs)
+            assert status == 0, _cuda.PA_STATUS.get(status, status)
+            _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype,
+                         f"{kernel} {dtype} {attrs} splits={split} P={part}")
+
+
+def test_cuda_ep_window_softcap_sink(cuda_ep, rng):
+    """The attributes and the head_sink input reach the kernels through the CUDA EP (cuda_op.cc):
+    decode and prefill sessions against the reference; a negative window fails the session."""
+    from ort_ops.ops import paged_attention_int8 as pa_mod
+
+    lens, hq, hkv, d, b = [300, 77, 1030], 8, 2, 128, 64
+    attrs = {"window": 100, "softcap": 20.0, "pv_quant": "s8"}
+    for q_lens in ([1, 1, 1], [40, 1, 70]):
+        query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, "float16", decode=q_lens == [1, 1, 1])
+        sink = _sinks(rng, hq, "mixed")
+        feeds = {"query": query, **{k: cache[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale",
+                                                          "block_tables", "seq_lens")}, "head_sink": sink}
+        if cu is not None:
+            feeds["cu_seqlens_q"] = cu
+        sess = cuda_ep(pa_mod.SCHEMA, feeds, **attrs)
+        out = sess.run(None, feeds)[0]
+        assert _providers_of(sess, "PagedAttentionInt8") == {"CUDAExecutionProvider"}
+        want, step = _ref(query, cache, cu, head_sink=sink, **attrs)
+        _check_close(out, want, step, cache, "s8", "float16", f"ORT CUDA EP q_lens={q_lens}")
+    with pytest.raises(Exception, match=r"PagedAttentionInt8: attribute 'window' must be >= 0"):
+        cuda_ep(pa_mod.SCHEMA, feeds, window=-3)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("d", [128, 256])
+def test_non_finite_sink_is_flagged(rng, d, split):
+    """A NaN/Inf sink (checked on the host by the CPU op) is flagged by the kernel that adds it to
+    the denominator: the write path with one split, the merge kernel with several."""
+    query, cache, _ = _make_case(rng, [300, 40], [1, 1], 8, 2, d, 16, "float32", decode=True)
+    for bad in (np.nan, np.inf):
+        sink = np.zeros(8, np.float32)
+        sink[5] = bad
+        _, status = _run_extras(query, cache, None, sink, num_splits=split, partition_size=32)
+        assert status & 32, _cuda.PA_STATUS.get(status, status)

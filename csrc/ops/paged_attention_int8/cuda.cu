@@ -29,6 +29,12 @@
 // codes converted to fp16 (exact), so INT8 and float P.V differ only in the P.V instruction.
 // With more than one split per row tile, each split writes O / l, m, l and a merge kernel
 // combines them by log-sum-exp; with one split the output is written directly.
+// Window, softcap, sink (DESIGN.md): scores are soft-capped where they are made; the window is a
+// lower mask bound beside the causal one, and keys before the first row's window start are not
+// loaded (their blocks may lie wholly before the window: neither the block-table entry nor the
+// block is read); decode splits start at the window's aligned start (tile_shape splits the
+// window's span). The sink enters only the final denominator: O / (l + exp(sink - m)) where the
+// output is written, or in the merge kernel when the keys were split.
 // No full-precision copy of K or V exists anywhere: codes go from memory to the tensor cores.
 #include <cuda_fp16.h>
 
@@ -170,15 +176,20 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
   const int rows_used = ts.qpt * ts.hpt;
   if (w.qtile * ts.qpt >= w.q_len) return;
   w.seq_len = p.seq_lens[w.s];
+  // The tile's first query sees keys from k_first on (window; 0 without). Decode splits start at
+  // its 32-aligned start (tile_shape splits the window's span); prefill splits stay absolute.
+  const int k_first = window_first(static_cast<int64_t>(w.seq_len) - w.q_len + w.qtile * ts.qpt, p.window);
+  const int k_base = p.max_q_len == 1 ? (k_first & ~31) : 0;
   if (w.seq_len < w.q_len || w.seq_len > p.max_blocks * B ||
-      w.seq_len > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
+      w.seq_len - k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
     return;
   }
   const int last_q = min(w.q_len - 1, w.qtile * ts.qpt + ts.qpt - 1);
   const int key_hi = w.seq_len - w.q_len + last_q + 1;  // keys this tile can see: [0, key_hi)
-  const int k_lo = w.split * ts.ppc * partition;        // this split's keys: [k_lo, k_hi)
-  const int k_hi = min(k_lo + ts.ppc * partition, key_hi);
+  const int k_split = k_base + w.split * ts.ppc * partition;
+  const int k_hi = min(k_split + ts.ppc * partition, key_hi);
+  const int k_lo = max(k_split, k_first & ~31);  // this split's keys the tile sees: [k_lo, k_hi)
   const int nstages = k_hi > k_lo ? (k_hi - k_lo + KT - 1) / KT : 0;
 
   // Row r -> (query token, q head); rows past the tile or the group see no keys.
@@ -225,10 +236,11 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
 #pragma unroll
     for (int i = 0; i < NKC; ++i) {
       const int pos = kp0 + ktok + kTokStep * i;
-      ids.k[i] = (live && pos < kend) ? block_of(pos) : -1;
+      ids.k[i] = (live && pos < kend && pos >= k_first) ? block_of(pos) : -1;
     }
-    ids.v = (live && kp0 + 16 * vseg < kend) ? block_of(kp0 + 16 * vseg) : -1;
-    ids.sc = (live && tid < KT / 2 && kp0 + stok < kend) ? block_of(kp0 + stok) : -1;
+    // Segments and scale chunks wholly before the window are not read (zero filled, masked).
+    ids.v = (live && kp0 + 16 * vseg < kend && kp0 + 16 * vseg + 16 > k_first) ? block_of(kp0 + 16 * vseg) : -1;
+    ids.sc = (live && tid < KT / 2 && kp0 + stok < kend && kp0 + stok + 4 > k_first) ? block_of(kp0 + stok) : -1;
   };
   auto issue = [&](int j, const Ids& ids) {
     unsigned char* st = smem + (j & 1) * C::STAGE;
@@ -281,10 +293,11 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
   // ---- Q: quantize this lane's d slice of rows g and g+8 (bit-exact with quantize_rows) ----
   uint32_t qa[kRi][QW];
   float sq[kRi];
-  int lim[kRi], qtok[kRi], qhead[kRi];
+  int lim[kRi], wlo[kRi], qtok[kRi], qhead[kRi];
 #pragma unroll
   for (int ri = 0; ri < kRi; ++ri) {
     lim[ri] = row_info(g + 8 * ri, qtok[ri], qhead[ri]);
+    wlo[ri] = window_first(lim[ri] - 1, p.window);  // the row sees keys [wlo, lim)
     if (!quantize_q_slice<D>(p, qtok[ri], qhead[ri], t, qa[ri], sq[ri])) atomicOr(p.status, kPaQueryNonFinite);
   }
 
@@ -333,9 +346,13 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const float2 sk = *reinterpret_cast<const float2*>(sk_sm + kc);
 #pragma unroll
       for (int ri = 0; ri < kRi; ++ri) {
-        const int lim_rel = min(lim[ri], kend) - kp0;
-        const float s0 = kc < lim_rel ? ((static_cast<float>(acc[2 * ri]) * sq[ri]) * sk.x) * p.scale : kNegInf;
-        const float s1 = kc + 1 < lim_rel ? ((static_cast<float>(acc[2 * ri + 1]) * sq[ri]) * sk.y) * p.scale : kNegInf;
+        const int lim_rel = min(lim[ri], kend) - kp0, lo_rel = wlo[ri] - kp0;
+        const float s0 = kc < lim_rel && kc >= lo_rel
+                             ? apply_softcap(((static_cast<float>(acc[2 * ri]) * sq[ri]) * sk.x) * p.scale, p.softcap)
+                             : kNegInf;
+        const float s1 = kc + 1 < lim_rel && kc + 1 >= lo_rel
+                             ? apply_softcap(((static_cast<float>(acc[2 * ri + 1]) * sq[ri]) * sk.y) * p.scale, p.softcap)
+                             : kNegInf;
         pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
         *reinterpret_cast<float2*>(s_sm + (g + 8 * ri) * C::S_STRIDE + kc) = make_float2(s0, s1);
       }
@@ -362,12 +379,13 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const int k = 4 * c;
       const bool row_ok = r < rows_used;
       float mp = kNegInf, mo = kNegInf;
-      int lim_rel = 0;
+      int lim_rel = 0, lo_rel = 0;
       if (row_ok) {
 #pragma unroll
         for (int i = 0; i < kWarps; ++i) mp = fmaxf(mp, red_max[i * kRows + r]);
         mo = m_old[r];
         lim_rel = min(row_lim[r], kend) - kp0;
+        lo_rel = window_first(row_lim[r] - 1, p.window) - kp0;
       }
       const float mn = fmaxf(mo, mp);
       const float alpha = mo == kNegInf ? 0.0f : __expf(mo - mn);
@@ -375,14 +393,14 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       if (row_ok && c == 0) m_new[r] = mn;
       float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       float esum = 0.0f;
-      if (k < lim_rel) {
+      if (k < lim_rel && k + 3 >= lo_rel) {
         const float4 sc = *reinterpret_cast<const float4*>(s_sm + r * C::S_STRIDE + k);
         const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
         const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
         const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
-          if (k + jj < lim_rel) {
+          if (k + jj < lim_rel && k + jj >= lo_rel) {
             const float e = __expf(scv[jj] - mp);  // ex2.approx: a few ulp, W codes tolerate it
             esum += e;
             wv[jj] = e * svv[jj];
@@ -523,7 +541,9 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
     if (qtok[ri] < 0) continue;
     const int r = g + 8 * ri;
     const float l = row_l[r];
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    // One split: the sink joins the denominator here; several: in the merge kernel.
+    const float den = ts.nsplit == 1 ? add_sink(l, m_final[r], p.head_sink, qhead[ri], p.status) : l;
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
     const int64_t row = static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri];
 #pragma unroll
     for (int jn = 0; jn < NT; ++jn) {
@@ -653,7 +673,12 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int h = static_cast<int>(idx % Hkv);
   const int s = static_cast<int>(idx / Hkv);
   const int partition = p.partition_size;
-  const int k_lo = split * ts.ppc * partition;
+  // With a window the query (position seq_len - 1) sees keys from k_first on, and the splits start
+  // at its aligned start (64 for VROWS's 64-key stages, in k_first's block since B >= 64): so
+  // seq_len is loaded before the block ids. Without, k_first = 0 and seq_len follows them.
+  const int k_first = p.window > 0 ? window_first(static_cast<int64_t>(p.seq_lens[s]) - 1, p.window) : 0;
+  const int k_base = k_first & ~(VROWS ? 63 : 31);
+  const int k_lo = k_base + split * ts.ppc * partition;
   const int k_max = min(k_lo + ts.ppc * partition, p.max_blocks * B);  // the split's keys if seq_len allows
 
   // This warp's stages: every DW-th 32-key stage of the split. (Giving a warp pairs of consecutive
@@ -668,7 +693,8 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int lb = p.log2_block_size;
   auto raw_ids = [&](int li, int& r0, int& r1) {
     const int kp0 = VROWS ? kpp_of(li) : kp0_of(li);
-    r0 = kp0 < k_max ? bt[kp0 >> lb] : -1;
+    // B 16: keys kp0..kp0+15 may lie in a block wholly before the window (its entry is not read).
+    r0 = kp0 < k_max && (B >= 32 || kp0 + 16 > k_first) ? bt[kp0 >> lb] : -1;
     r1 = B >= 32 ? r0 : (kp0 + 16 < k_max ? bt[(kp0 + 16) >> lb] : -1);
   };
   int rid0[NS], rid1[NS];
@@ -676,7 +702,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   for (int li = 0; li < NS; ++li) raw_ids(li, rid0[li], rid1[li]);
 
   const int seq_len = p.seq_lens[s];
-  if (seq_len < 1 || seq_len > p.max_blocks * B || seq_len > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
+  if (seq_len < 1 || seq_len > p.max_blocks * B || seq_len - k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
     return;
   }
@@ -760,10 +786,11 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
       const unsigned so = slot * C::STAGE;
       const int kp0 = kp0_of(li);
       const bool hi_live = kp0 + 16 < k_hi;  // the stage's keys 16..31 exist
+      const bool lo_live = B >= 32 || kp0 + 16 > k_first;  // keys 0..15 not in a block wholly before the window
       const int r1b = B >= 32 ? r0 : r1;    // B >= 32: both halves in one block
-      const bool ok0 = static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
+      const bool ok0 = lo_live && static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
       const bool ok1 = hi_live && static_cast<unsigned>(r1b) < static_cast<unsigned>(p.num_blocks);
-      if (!ok0 || (hi_live && !ok1)) atomicOr(p.status, kPaBlockOutOfRange);
+      if ((lo_live && !ok0) || (hi_live && !ok1)) atomicOr(p.status, kPaBlockOutOfRange);
       const int b0 = ok0 ? r0 : 0, b1 = ok1 ? r1b : 0;
       const int pos0 = kp0 & (B - 1), pos1 = (kp0 + 16) & (B - 1);
       const int8_t* kb0 = k_lane + static_cast<int64_t>(b0) * blk_stride + pos0 * D;
@@ -855,12 +882,15 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
     const float svv[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
     // Scores bit-identical to the reference's (same int32 dot, same float32 multiplies).
-    const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with k < lim_t are visible
+    const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with lo_t <= k < lim_t are visible
+    const int lo_t = k_first - kp0 - 8 * t;
     float sc[8];
     float mp = kNegInf;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      sc[k] = k < lim_t ? ((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale : kNegInf;
+      sc[k] = k < lim_t && k >= lo_t
+                  ? apply_softcap(((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale, p.softcap)
+                  : kNegInf;
       mp = fmaxf(mp, sc[k]);
     }
     mp = warp_max4(mp);
@@ -885,7 +915,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     float esum = 0.0f, gmax = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-      const bool ok = k < lim_t;
+      const bool ok = k < lim_t && k >= lo_t;
       const float e = ok ? fast_exp(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
       esum += e;
       wv[k] = ok ? e * svv[k] : 0.0f;
@@ -973,7 +1003,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     *reinterpret_cast<float2*>(ob + g * C::OS + 8 * jn + 2 * t) = make_float2(f * o[jn][0], f * o[jn][1]);
   if (warp == 0 && t == 0) {
     row_m[g] = M;
-    row_l[g] = L;
+    row_l[g] = ts.nsplit == 1 && g < G ? add_sink(L, M, p.head_sink, h * G + g, p.status) : L;  // else: the merge adds it
   }
   __syncthreads();
   for (int e = tid; e < 8 * (D / 4); e += 32 * DW) {
@@ -1066,7 +1096,11 @@ __global__ void __launch_bounds__(D) merge_splits_kernel(PagedAttentionParams p,
 #pragma unroll
   for (int q = 0; q < kMergeGroups; ++q)
     if (s_mw[q][1] > 0.0f) M = fmaxf(M, s_mw[q][0]);
-  float total = 0.0f;
+  // The head's sink joins the denominator, rescaled into the common max like the splits' sums.
+  const float sink = p.head_sink != nullptr ? p.head_sink[row % p.num_heads] : kNegInf;
+  if (p.head_sink != nullptr && !isfinite(sink) && d == 0) atomicOr(p.status, kPaSinkNonFinite);
+  M = fmaxf(M, sink);
+  float total = p.head_sink != nullptr ? expf(sink - M) : 0.0f;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
   for (int q = 0; q < kMergeGroups; ++q) {
@@ -1149,7 +1183,11 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode, const Devi
   ts.qpt = warp_decode ? 1 : std::max(1, std::min((prefill ? kPrefillRows : kRows) / ts.hpt, p.max_q_len));
   ts.n_qt = (p.max_q_len + ts.qpt - 1) / ts.qpt;
   const int partition = p.partition_size;
-  const int nparts = std::max(1, (p.max_context + partition - 1) / partition);
+  // Decode with a window splits only the window's span (+ 63: its start aligned down to 32 or 64).
+  const int64_t span = p.window > 0 && p.max_q_len == 1
+                           ? std::min<int64_t>(p.max_context, static_cast<int64_t>(p.window) + 63)
+                           : p.max_context;
+  const int nparts = static_cast<int>(std::max<int64_t>(1, (span + partition - 1) / partition));
   int nsplit = p.num_splits;
   if (nsplit <= 0) {
     // Pick the split count by a wave model: CTAs resident at once (the device's SMs x the CTAs
@@ -1259,6 +1297,8 @@ const char* paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.partition_size <= 0 || p.partition_size % 32 != 0) return "partition_size must be a positive multiple of 32";
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) return "query heads must be a multiple of kv heads";
   if (p.max_q_len < 1) return "max_q_len must be >= 1";
+  if (p.window < 0) return "window must be >= 0 (0: no window)";
+  if (!(p.softcap >= 0.0f) || p.softcap > 3.4e38f) return "softcap must be finite and >= 0 (0: off)";
   return nullptr;
 }
 

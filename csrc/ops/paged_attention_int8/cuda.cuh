@@ -9,7 +9,8 @@
 //   key_scale    float32 [N, Hkv, B]            value_scale float32 [N, Hkv, B]
 //   block_tables int32 [S, M]   seq_lens int32 [S]   cu_seqlens_q int32 [S + 1] or null (decode)
 // Supported here: D in {64, 128, 256}; B a power of two >= 16 (16-byte V loads of one block);
-// qk_quant s8; pv_quant s8, u8 or none (float P.V twin on fp16 tensor cores).
+// qk_quant s8; pv_quant s8, u8 or none (float P.V twin on fp16 tensor cores); window, softcap
+// and head_sink as DESIGN.md defines them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,6 +30,7 @@ enum PagedAttentionStatus : int {
   // decode_with_cu only: some sequence's cu_seqlens_q count is not 1, so the decode kernel left
   // its rows undone; relaunch with decode_with_cu false (and max_q_len = T) for the result.
   kPaNotOneQueryEach = 16,
+  kPaSinkNonFinite = 32,    // NaN/Inf in head_sink
 };
 
 enum class PvQuant : int { kNone = 0, kS8 = 1, kU8 = 2 };
@@ -56,9 +58,14 @@ struct PagedAttentionParams {
   int max_q_len = 1;    // upper bound on any sequence's query count (decode: 1; prefill: T)
   int max_context = 0;  // upper bound on seq_lens (<= M * B); sizes the grid
   float scale = 0.0f;
+  int window = 0;        // > 0: the query at p sees keys p - window < k <= p; 0: no window
+  float softcap = 0.0f;  // > 0: s = softcap * tanh(s / softcap) after the scale; 0: off
+  const float* head_sink = nullptr;  // float32 [Hq] logits in the softmax denominator, or null
   PvQuant pv_quant = PvQuant::kS8;
   int partition_size = 256;  // multiple of 32; the unit in which keys are split across CTAs (speed only)
-  int num_splits = 0;        // CTAs per (row tile, kv head) along the keys; 0: chosen here
+  // CTAs per (row tile, kv head) along the keys; 0: chosen here. Decode with a window splits the
+  // window's span (splits start at the window's aligned start), not the whole context.
+  int num_splits = 0;
   void* workspace = nullptr;  // paged_attention_workspace_bytes(...) bytes, 16-byte aligned
   // Required: where the kernels OR their status bits, device memory or pinned host memory mapped
   // into the device (cudaHostAllocMapped; the CUDA op's choice: no memset or copy node per Run).

@@ -16,7 +16,8 @@ ort_ops::PagedAttentionParams pa_params(const void* query, int query_fp16, const
                                         const void* value_cache, const void* key_scale, const void* value_scale,
                                         const void* block_tables, const void* seq_lens, const void* cu_seqlens_q,
                                         void* output, const int* dims, float scale, int pv_quant,
-                                        int partition_size, int num_splits, void* workspace, int* status) {
+                                        int partition_size, int num_splits, float softcap, const void* head_sink,
+                                        void* workspace, int* status) {
   ort_ops::PagedAttentionParams p;
   p.query = query;
   p.query_fp16 = query_fp16 != 0;
@@ -28,7 +29,7 @@ ort_ops::PagedAttentionParams pa_params(const void* query, int query_fp16, const
   p.seq_lens = static_cast<const int32_t*>(seq_lens);
   p.cu_seqlens_q = static_cast<const int32_t*>(cu_seqlens_q);
   p.output = output;
-  // dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context, decode_with_cu (0 or 1)
+  // dims: T, S, Hq, Hkv, D, B, M, N, max_q_len, max_context, decode_with_cu (0 or 1), window
   p.num_tokens = dims[0];
   p.num_seqs = dims[1];
   p.num_heads = dims[2];
@@ -40,6 +41,9 @@ ort_ops::PagedAttentionParams pa_params(const void* query, int query_fp16, const
   p.max_q_len = dims[8];
   p.max_context = dims[9];
   p.decode_with_cu = dims[10] != 0;
+  p.window = dims[11];
+  p.softcap = softcap;
+  p.head_sink = static_cast<const float*>(head_sink);
   p.scale = scale;
   p.pv_quant = static_cast<ort_ops::PvQuant>(pv_quant);
   p.partition_size = partition_size;
@@ -57,7 +61,7 @@ ORT_OPS_CUDA_EXPORT long long ort_ops_cuda_paged_attention_int8_workspace(const 
   int one = 0;
   ort_ops::PagedAttentionParams p =
       pa_params(nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, dims, 1.0f, 1,
-                partition_size, num_splits, nullptr, &one);
+                partition_size, num_splits, 0.0f, nullptr, nullptr, &one);
   if (ort_ops::paged_attention_unsupported(p) != nullptr) return -1;
   if (nsplit_out) *nsplit_out = ort_ops::paged_attention_num_splits(p);
   return static_cast<long long>(ort_ops::paged_attention_workspace_bytes(p));
@@ -70,7 +74,7 @@ ORT_OPS_CUDA_EXPORT int ort_ops_cuda_paged_attention_int8_plan(const int* dims, 
   int one = 0;
   ort_ops::PagedAttentionParams p =
       pa_params(nullptr, 0, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, dims, 1.0f, 1,
-                partition_size, 0, nullptr, &one);
+                partition_size, 0, 0.0f, nullptr, nullptr, &one);
   if (ort_ops::paged_attention_unsupported(p) != nullptr || sms < 1 || smem_per_sm < 1) return -1;
   return ort_ops::paged_attention_num_splits(p, ort_ops::DeviceLimits{sms, smem_per_sm});
 }
@@ -78,15 +82,16 @@ ORT_OPS_CUDA_EXPORT int ort_ops_cuda_paged_attention_int8_plan(const int* dims, 
 ORT_OPS_CUDA_EXPORT int ort_ops_cuda_paged_attention_int8(
     const void* query, int query_fp16, const void* key_cache, const void* value_cache, const void* key_scale,
     const void* value_scale, const void* block_tables, const void* seq_lens, const void* cu_seqlens_q, void* output,
-    const int* dims, float scale, int pv_quant, int partition_size, int num_splits, void* workspace, int* status,
-    void* stream, char* msg, int msg_len) {
+    const int* dims, float scale, int pv_quant, int partition_size, int num_splits, float softcap,
+    const void* head_sink, void* workspace, int* status, void* stream, char* msg, int msg_len) {
   if (pv_quant < 0 || pv_quant > 2) {
     if (msg && msg_len > 0) std::strncpy(msg, "pv_quant must be 0 (none), 1 (s8) or 2 (u8)", msg_len - 1);
     return -1;
   }
   const ort_ops::PagedAttentionParams p =
       pa_params(query, query_fp16, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
-                cu_seqlens_q, output, dims, scale, pv_quant, partition_size, num_splits, workspace, status);
+                cu_seqlens_q, output, dims, scale, pv_quant, partition_size, num_splits, softcap, head_sink,
+                workspace, status);
   if (const char* why = ort_ops::paged_attention_unsupported(p)) {
     if (msg && msg_len > 0) {
       std::strncpy(msg, why, msg_len - 1);

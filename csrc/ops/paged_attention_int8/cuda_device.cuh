@@ -59,6 +59,28 @@ __device__ __forceinline__ float fast_exp(float x) {
 // log; e^5.5 ~ 245).
 constexpr float kLazyRescale = 5.5f;
 
+// Gemma 2's logit soft cap after the scale, DESIGN.md's float order: one division, tanh, one
+// multiply (no FMA contraction); cap 0 leaves s as is.
+__device__ __forceinline__ float apply_softcap(float s, float cap) {
+  return cap > 0.0f ? __fmul_rn(cap, tanhf(__fdiv_rn(s, cap))) : s;
+}
+
+// The first key position a query at position pos sees: pos - window + 1 (>= 0); 0 without a window.
+// (int64: pos comes from seq_lens before they are checked.)
+__device__ __forceinline__ int window_first(int64_t pos, int window) {
+  return window > 0 && pos - window + 1 > 0 ? static_cast<int>(pos - window + 1) : 0;
+}
+
+// The softmax denominator with the head's sink, relative to the row's max m (O and l are
+// exp(s - m) sums): l + exp(sink - m). A sink ~88 above m makes it inf and the output 0, as in
+// the reference (the true weights are then below e^-88). A NaN/Inf sink is flagged.
+__device__ __forceinline__ float add_sink(float l, float m, const float* head_sink, int head, int* status) {
+  if (head_sink == nullptr) return l;
+  const float sink = head_sink[head];
+  if (!isfinite(sink)) atomicOr(status, kPaSinkNonFinite);
+  return l + expf(sink - m);
+}
+
 // A P-V group's code factor L / max W, 0 for an all-zero group. It saturates at FLT_MAX: a group
 // whose max W is below L / FLT_MAX (~3.7e-37) would otherwise get inf, and 0 * inf would turn the
 // group's zero weights into NaN codes (DESIGN.md, "L / max saturates"; the reference does the same).

@@ -64,7 +64,8 @@ std::string describe(int bits, int64_t context_bound, int64_t num_blocks, int64_
                    " with at least one query row per sequence");
   if (bits & kPaBlockOutOfRange)
     return str_cat(kOp, ": input 'block_tables' must hold block ids in 0..", num_blocks - 1,
-                   " for every position below seq_lens");
+                   " for every position a query sees (below seq_lens, within the window)");
+  if (bits & kPaSinkNonFinite) return str_cat(kOp, ": input 'head_sink' must be finite, got NaN or Inf");
   return str_cat(kOp, ": input 'query' must be finite, got NaN or Inf");
 }
 
@@ -113,6 +114,9 @@ class PagedAttentionInt8Cuda final : public KernelImpl {
     p.scale = attrs_.softmax_scale(D);
     p.pv_quant = pv_;
     p.partition_size = static_cast<int>(attrs_.partition_size);
+    p.window = static_cast<int>(std::min<int64_t>(attrs_.window, INT32_MAX));  // beyond any context: no limit
+    p.softcap = attrs_.softcap;
+    p.head_sink = in.head_sink.present ? in.head_sink.ptr<float>() : nullptr;  // values not checked on CUDA
     if (const char* why = paged_attention_unsupported(p)) fail_unsupported(kOp, "(CUDA) ", why);
 
     // With cu_seqlens_q, T == S means one query row per sequence (each has at least one): the

@@ -48,9 +48,14 @@
 // are the same float32 operations as the reference's (bit-identical scores; codes equal up to
 // the exp's rounding, tests/tolerances.py).
 // Causal masking only on the stages that reach past the warp's first query; stages past its last
-// query are skipped. Keys are split across CTAs only when the row tiles do not fill the GPU
-// (cuda.cu's wave model; at 512 new tokens x 32 heads there are 256 CTAs, one split); splits
-// write O / l, m, l to the workspace and cuda.cu's merge kernel combines them.
+// query are skipped. Window (DESIGN.md): the CTA starts at its first query's window start
+// (aligned down to 32, or 64 for blocks of 64+), 16-key chunks wholly before it are not read
+// (B 16: their blocks lie wholly before the window), stages before every row's window are
+// skipped and the window's lower bound joins the mask. Softcap where the scores are made; the
+// sink in the final denominator (or the merge kernel's, with splits). Keys are split across CTAs
+// only when the row tiles do not fill the GPU (cuda.cu's wave model; at 512 new tokens x 32 heads
+// there are 256 CTAs, one split); splits write O / l, m, l to the workspace and cuda.cu's merge
+// kernel combines them.
 // Not matrix-bound: with 2 warps per scheduler (two CTAs an SM by registers) the kernel waits on
 // fixed-latency dependencies, about 1200 instructions per warp per stage against 64 IMMA, so INT8
 // P.V wins by instructions: the float twin executes more (V to fp16, the W / max divisions,
@@ -178,14 +183,17 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
   }
   const int q_last = min(q_len, q0 + tl.qpt) - 1;       // last query of the tile
   const int first_pos = seq_len - q_len;                  // position of query 0
-  const int k_lo = split * tl.ppc * partition;            // this split's keys: [k_lo, k_hi)
-  const int k_hi = min(k_lo + tl.ppc * partition, first_pos + q_last + 1);
+  const int k_first = window_first(first_pos + q0, p.window);  // the tile's first query's window start
+  const int k_split = split * tl.ppc * partition;
+  const int k_lo = max(k_split, k_first & ~(B >= 64 ? 63 : 31));  // this split's keys: [k_lo, k_hi)
+  const int k_hi = min(k_split + tl.ppc * partition, first_pos + q_last + 1);
   const int nst = k_hi > k_lo ? (k_hi - k_lo + kPfKeys - 1) / kPfKeys : 0;
 
   // ---- this lane's two rows (g and g+8 of the warp's 16) ----
   const int rows_used = tl.qpt << lg;
-  int qtok[2], qhead[2], lim[2];
+  int qtok[2], qhead[2], lim[2], wlo[2];
   int w_lo = 0x7fffffff, w_hi = 0;  // the warp's smallest and largest row limit (valid rows)
+  int w_first_lo = 0x7fffffff, w_first_hi = 0;  // and its rows' smallest and largest window start
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri) {
     const int r = 16 * warp + g + 8 * ri;
@@ -194,31 +202,42 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
     qtok[ri] = ok ? q_start + qi : -1;
     qhead[ri] = h * G + (r & (G - 1));
     lim[ri] = ok ? min(first_pos + qi + 1, k_hi) : 0;
+    wlo[ri] = window_first(first_pos + qi, p.window);  // the row sees keys [wlo, lim)
     if (ok) {
       w_lo = min(w_lo, lim[ri]);
       w_hi = max(w_hi, lim[ri]);
+      w_first_lo = min(w_first_lo, wlo[ri]);
+      w_first_hi = max(w_first_hi, wlo[ri]);
     }
   }
   w_lo = __reduce_min_sync(0xffffffffu, w_lo);
   w_hi = __reduce_max_sync(0xffffffffu, w_hi);
+  w_first_lo = __reduce_min_sync(0xffffffffu, w_first_lo);
+  w_first_hi = __reduce_max_sync(0xffffffffu, w_first_hi);
   // Rows past the tile see what the warp's last row sees (their q is zero; never written), so
   // that they do not force the masked path.
 #pragma unroll
   for (int ri = 0; ri < 2; ++ri)
-    if (qtok[ri] < 0) lim[ri] = w_hi;
+    if (qtok[ri] < 0) {
+      lim[ri] = w_hi;
+      wlo[ri] = w_first_hi;
+    }
 
   // ---- stage copies ----
   // Block ids of a stage's four 16-key chunks (B >= 16: a chunk is in one block; stages start at
   // multiples of 32). Loaded raw one stage ahead of the copies, checked where issued.
   const int32_t* bt = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
   const int lb = p.log2_block_size;
+  // B 16: a chunk wholly before the window lies in a block wholly before it: not read. (B >= 32:
+  // the first stage's chunks share k_first's block, k_lo being aligned down to 32 or 64 within it.)
+  auto before = [&](int pos) { return B < 32 && pos + 16 <= k_first; };
   auto raw_ids = [&](int j, int (&r)[4]) {
     const int pos = k_lo + kPfKeys * j;
     const bool live = j < nst;
     // Chunks 0/1 and 2/3 share a block when B >= 32 (pos is a multiple of 32); all four when B >= 64
     // and pos is a multiple of 64.
-    r[0] = live && pos < k_hi ? bt[pos >> lb] : -1;
-    r[1] = live && pos + 16 < k_hi ? (B >= 32 ? r[0] : bt[(pos + 16) >> lb]) : -1;
+    r[0] = live && pos < k_hi && !before(pos) ? bt[pos >> lb] : -1;
+    r[1] = live && pos + 16 < k_hi && !before(pos + 16) ? (B >= 32 ? r[0] : bt[(pos + 16) >> lb]) : -1;
     r[2] = live && pos + 32 < k_hi ? (B >= 64 && (pos & 63) == 0 ? r[0] : bt[(pos + 32) >> lb]) : -1;
     r[3] = live && pos + 48 < k_hi ? (B >= 32 ? r[2] : bt[(pos + 48) >> lb]) : -1;
   };
@@ -272,8 +291,8 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
       int b[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const bool live = pos + 16 * c < k_hi;
-        ok[c] = static_cast<unsigned>(r[c]) < static_cast<unsigned>(p.num_blocks);
+        const bool live = pos + 16 * c < k_hi && !before(pos + 16 * c);
+        ok[c] = live && static_cast<unsigned>(r[c]) < static_cast<unsigned>(p.num_blocks);
         if (live && !ok[c]) atomicOr(p.status, kPaBlockOutOfRange);
         b[c] = ok[c] ? r[c] : 0;
       }
@@ -359,13 +378,15 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
     float mp[2];
 #pragma unroll
     for (int ri = 0; ri < 2; ++ri) {
-      const int lim_t = lim[ri] - kp0 - 8 * t;  // key 32 grp + 8t + k visible iff 32 grp + k < lim_t
+      const int lim_t = lim[ri] - kp0 - 8 * t;  // key 32 grp + 8t + k visible iff lo_t <= 32 grp + k < lim_t
+      const int lo_t = wlo[ri] - kp0 - 8 * t;
       mp[ri] = kPfNegInf;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         const int grp = i >> 3, k = i & 7;
-        const float v = ((magic_value(acc[4 * grp + (k >> 1)][2 * ri + (k & 1)]) * sq[ri]) * skv[i]) * scale;
-        sc[ri][i] = (!MASK || 32 * grp + k < lim_t) ? v : kPfNegInf;
+        const float v = apply_softcap(
+            ((magic_value(acc[4 * grp + (k >> 1)][2 * ri + (k & 1)]) * sq[ri]) * skv[i]) * scale, p.softcap);
+        sc[ri][i] = (!MASK || (32 * grp + k < lim_t && 32 * grp + k >= lo_t)) ? v : kPfNegInf;
         mp[ri] = fmaxf(mp[ri], sc[ri][i]);
       }
       mp[ri] = warp_max4(mp[ri]);
@@ -494,8 +515,9 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
     raw_ids(j + NS, ids);
     const int kp0 = k_lo + kPfKeys * j;
     if (kp0 >= w_hi) continue;  // past every row of this warp (warp-uniform)
+    if (kp0 + kPfKeys <= w_first_lo) continue;  // before every row's window
     const unsigned char* st = smem + (j % NS) * C::STAGE;
-    if (kp0 + kPfKeys <= w_lo)
+    if (kp0 + kPfKeys <= w_lo && kp0 >= w_first_hi)
       compute(st, kp0, std::false_type{});
     else
       compute(st, kp0, std::true_type{});
@@ -509,7 +531,9 @@ __global__ void __launch_bounds__(kPfThreads, PCfg<D>::MIN_BLOCKS)
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (qtok[ri] < 0) continue;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    // One split: the sink joins the denominator here; several: in cuda.cu's merge kernel.
+    const float den = tl.nsplit == 1 ? add_sink(l, m_run[ri], p.head_sink, qhead[ri], p.status) : l;
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
     const int64_t row = static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri];
 #pragma unroll
     for (int jn = 0; jn < D / 8; ++jn) {
