@@ -13,9 +13,10 @@ lm_head at the end. Inputs ``input_ids``, ``attention_mask`` [B, P+S], ``positio
 
 Forms: "eager" (MatMul, Mul(scale), Add(mask), Softmax, MatMul) and "sdpa" (q and K^T each times
 sqrt(scale), Add(mask), Softmax, Where(IsNaN), MatMul).
-Masks: "causal" (causal + key padding from attention_mask, what the ops express), and the ones
-they cannot: "window" (sliding window of ``window`` keys, default 4), "none" (no mask: bidirectional), "bias" (an
-ALiBi-like additive bias). ``softmax_axis=2`` normalizes over queries (not attention).
+Masks: "causal" (causal + key padding from attention_mask) and "window" (the same limited to the
+last ``window`` positions, default 4: the op's ``window``), what the ops express, and the ones
+they cannot: "chunked" (keys of the query's own chunk of ``window`` positions, Llama 4's chunked
+attention), "none" (no mask: bidirectional), "bias" (an ALiBi-like additive bias). ``softmax_axis=2`` normalizes over queries (not attention).
 
 ``emulate_kv_int8(model)`` inserts the contract's per-token, per-head INT8 quantize/dequantize of
 the new K and V (round half to even, scale = amax/127) before they are cached: the rewritten model
@@ -82,6 +83,9 @@ def _mask(b: _B, kind: str, ids: str, am: str, window: int = 4) -> str | None:
     allowed = b.op("LessOrEqual", [j, i])
     if kind == "window":
         allowed = b.op("And", [allowed, b.op("Greater", [j, b.op("Sub", [i, _ints(b, window)])])])
+    elif kind == "chunked":  # keys in the query's own chunk of ``window`` positions
+        same = b.op("Equal", [b.op("Div", [j, _ints(b, window)]), b.op("Div", [i, _ints(b, window)])])
+        allowed = b.op("And", [allowed, same])
     pad = b.op("Greater", [b.op("Unsqueeze", [am, _ints(b, [1, 2])]), _ints(b, 0)])  # [B, 1, 1, T]
     allowed = b.op("And", [b.op("Unsqueeze", [allowed, _ints(b, [0, 1])]), pad])
     return b.op("Where", [allowed, b.const(np.float32(0)), b.const(NEG)])

@@ -77,13 +77,14 @@ class _Ctx:
     probe_past: int
     probe_error: str | None
     proto: Any = None  # the model as it came in (the long mask probe runs parts of it)
-    window_checked: dict = dataclasses.field(default_factory=dict)  # mask name -> reason or ""
+    window_checked: dict = dataclasses.field(default_factory=dict)  # mask name -> (window, reason or "")
     shared: dict = dataclasses.field(default_factory=dict)
     cache_out: dict = dataclasses.field(default_factory=dict)  # layer -> 4 output values
     outputs_made: set = dataclasses.field(default_factory=set)  # ids of attention outputs we emit
     declines: dict = dataclasses.field(default_factory=dict)  # where -> reason
     forms: dict = dataclasses.field(default_factory=dict)
     layer_dims: dict = dataclasses.field(default_factory=dict)  # layer -> (Hkv, D)
+    fused_attrs: list = dataclasses.field(default_factory=list)  # per fused block: what the report shows
 
 
 @dataclasses.dataclass
@@ -100,6 +101,9 @@ class _Attn:
     d: int
     scale: float
     mask_kind: str  # "causal+padding" | "causal"
+    window: int = 0  # the op's ``window``: the last ``window`` positions are visible (0: all)
+    softcap: float = 0.0  # the op's ``softcap`` (0: none)
+    sink: np.ndarray | None = None  # float32 [Hq]: the op's ``head_sink`` input (None: no sink)
 
 
 # --- decoding the operands -----------------------------------------------------------------------
@@ -258,36 +262,112 @@ def _check_dims(ctx: _Ctx, q: ir.Value, k_new: ir.Value, v_new: ir.Value) -> tup
     return hq, hkv, d
 
 
-def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> str:
+def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> tuple[str, int]:
+    """(kind, window) of an attention's mask: kind "causal+padding" or "causal", window the op's
+    ``window`` (0: none). The window is measured on long runs of the mask plumbing
+    (``g.mask_window``), per mask, so layers with and without a window each get their own;
+    the short probe then checks causality and key padding with that window."""
     if mask is None:
         if causal_attr:
-            return "causal"
+            return "causal", 0
         raise MatchFailureError("no attention mask: the attention is not causal")
     if ctx.probe_error:
         raise MatchFailureError(f"cannot check the mask: {ctx.probe_error}")
     arr = ctx.probes.get(mask.name)
     if arr is None:
         raise MatchFailureError(f"cannot check the mask '{mask.name}': not probed")
-    if arr.dtype == np.bool_:
-        arr = np.where(arr, 0.0, -np.inf)  # a boolean attn_mask: True = may attend
-    kind = g.classify_additive_mask(arr, ctx.probe_mask, ctx.probe_past, g.PROBE_SEQ)
-    if kind is None:
-        raise MatchFailureError("the mask is not causal (and key-padding): a window, bias or "
-                                "bidirectional mask the paged op cannot express")
     if causal_attr:
         raise MatchFailureError("is_causal together with a mask is not supported")
     if mask.name not in ctx.window_checked:
-        ok, detail = g.mask_sees_every_key(ctx.proto, mask.name, {v.name for v in ctx.past_layer}, ctx.paged)
-        ctx.window_checked[mask.name] = "" if ok else (
-            f"the mask hides keys a causal mask shows: {detail}" if ok is False
-            else f"cannot rule out a sliding window: {detail}")
-    if ctx.window_checked[mask.name]:
-        raise MatchFailureError(ctx.window_checked[mask.name])
-    return kind
+        window, detail = g.mask_window(ctx.proto, mask.name, {v.name for v in ctx.past_layer}, ctx.paged)
+        ctx.window_checked[mask.name] = (window or 0, "" if window is not None else f"cannot tell the mask's "
+                                         f"window (a causal mask, limited or not to the last W positions): {detail}")
+    window, reason = ctx.window_checked[mask.name]
+    if reason:
+        raise MatchFailureError(reason)
+    if arr.dtype == np.bool_:
+        arr = np.where(arr, 0.0, -np.inf)  # a boolean attn_mask: True = may attend
+    kind = g.classify_additive_mask(arr, ctx.probe_mask, ctx.probe_past, g.PROBE_SEQ, window)
+    if kind is None:
+        what = f"causal with a window of {window}" if window else "causal"
+        raise MatchFailureError(f"the mask is not {what} (and key-padding) on the probe batch: a bias, "
+                                "bidirectional or other mask the paged op cannot express")
+    return kind, window
+
+
+def _softcap(cap_in: ir.Value | None, cap_out: ir.Value | None) -> float:
+    """The c of ``Mul(Tanh(Div(scores, c)), c)`` (Gemma 2's attn_logit_softcapping): both
+    constants must be the same finite positive scalar, as the op's ``softcap`` computes it
+    (one division, tanh, one multiply); 0.0 when there is no softcap."""
+    if cap_in is None and cap_out is None:
+        return 0.0
+    c_in, c_out = g.const_scalar(cap_in), g.const_scalar(cap_out)
+    if c_in is None or c_out is None:
+        raise MatchFailureError("softcap Div/Mul around the Tanh are not constant scalars")
+    if c_in != c_out or not math.isfinite(c_in) or c_in <= 0:
+        raise MatchFailureError(f"softcap divides by {c_in} and multiplies by {c_out}: the op needs one "
+                                "finite positive constant for both")
+    return float(np.float32(c_in))
+
+
+def _sink_per_head(ctx: _Ctx, sink: ir.Value, hq: int) -> np.ndarray:
+    """The per-q-head sink logits [Hq] float32 behind the value concatenated to the scores
+    (gpt-oss: ``sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)``): a constant reached through
+    Expand/Reshape/Unsqueeze/Cast/Identity whose values lie on the head axis (axis 1 of
+    [B, Hq, S, 1]), or one value for every head; the probe run must show the expanded value
+    equal to it on every row."""
+    v, hops = sink, 0
+    while g.const_array(v) is None and hops < 6:
+        node = v.producer()
+        if node is None or node.op_type not in ("Expand", "Reshape", "Unsqueeze", "Cast", "Identity"):
+            break
+        v, hops = node.inputs[0], hops + 1
+    arr = g.const_array(v)
+    if arr is None:
+        raise MatchFailureError("the value concatenated to the scores (sinks) is not a constant")
+    shape = (1,) * (4 - arr.ndim) + tuple(arr.shape) if arr.ndim <= 4 else None
+    if arr.size != 1 and (arr.size != hq or shape is None or shape[1] != hq or shape[0] != 1 or shape[2] != 1
+                          or shape[3] != 1):
+        raise MatchFailureError(f"sinks constant of shape {list(arr.shape)}, expected one value per query head "
+                                f"({hq}) on the head axis, or one for all")
+    per_head = np.broadcast_to(np.asarray(arr, np.float32).reshape(-1), (hq,)).copy()
+    if not np.all(np.isfinite(per_head)):
+        raise MatchFailureError("sinks constant has non-finite values")
+    probed = ctx.probes.get(sink.name)
+    if probed is None or probed.ndim != 4 or probed.shape[1] != hq or probed.shape[3] != 1 or \
+            not np.array_equal(probed.astype(np.float32), np.broadcast_to(per_head.reshape(1, hq, 1, 1), probed.shape)):
+        raise MatchFailureError("the probe run does not show the sinks as one constant per query head on "
+                                "every row")
+    return per_head
+
+
+def _check_sink_softmax(cat: ir.Value, probs: ir.Value, kept: ir.Value, max_node: ir.Node | None) -> None:
+    """Concat(scores, sink) on the key axis [-> Sub(., ReduceMax(., key axis, keepdims))] ->
+    Softmax(key axis) -> Slice [..., :-1]: the sink joins the denominator and is dropped before
+    P.V (subtracting the row max does not change a softmax)."""
+    last = lambda axis, rank: axis == -1 or (rank is not None and axis == rank - 1)
+    c = cat.producer()
+    if len(c.inputs) != 2 or not last(g.attr_int(c, "axis", 0), g.rank(cat)):
+        raise MatchFailureError("the sinks Concat is not of two values on the key axis")
+    if max_node is not None:
+        axes = g.const_array(max_node.inputs[1]) if len(max_node.inputs) > 1 else None
+        if axes is None and "axes" in max_node.attributes:
+            axes = np.array(g.attr_ints(max_node, "axes"))
+        if axes is None or axes.size != 1 or not last(int(axes.reshape(())), g.rank(cat)) or \
+                g.attr_int(max_node, "keepdims", 1) != 1:
+            raise MatchFailureError("the max subtracted before the sinks softmax is not over the key axis")
+    sl = kept.producer()
+    ins = list(sl.inputs) + [None] * (5 - len(sl.inputs))
+    starts, ends, axes, steps = (g.const_array(i) if i is not None else None for i in ins[1:5])
+    ok = starts is not None and ends is not None and axes is not None and starts.size == ends.size == axes.size == 1
+    ok = ok and int(starts.reshape(())) == 0 and int(ends.reshape(())) == -1 and last(int(axes.reshape(())), g.rank(probs))
+    ok = ok and (steps is None or (steps.size == 1 and int(steps.reshape(())) == 1))
+    if not ok:
+        raise MatchFailureError("the sinks softmax is not sliced to [..., :-1] on the key axis")
 
 
 def _decode_matmul_form(ctx: _Ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill,
-                        probs) -> _Attn:
+                        probs, cap_in=None, cap_out=None, sink=None) -> _Attn:
     sm = probs.producer()
     axis = g.attr_int(sm, "axis", -1)
     r = g.rank(probs)
@@ -314,8 +394,10 @@ def _decode_matmul_form(ctx: _Ctx, query, key_t, value, mask, qk_scale, qk_scali
     elif past_k is not None or past_v is not None:
         raise MatchFailureError("past concatenated in a model without a cache interface")
     hq, hkv, d = _check_dims(ctx, q, k_new, v_new)
-    kind = _mask_kind(mask, ctx)
-    return _Attn(q, k_new, v_new, past_k, past_v, hq, hkv, d, sq * sk * sqk, kind)
+    softcap = _softcap(cap_in, cap_out)
+    head_sink = _sink_per_head(ctx, sink, hq) if sink is not None else None
+    kind, window = _mask_kind(mask, ctx)
+    return _Attn(q, k_new, v_new, past_k, past_v, hq, hkv, d, sq * sk * sqk, kind, window, softcap, head_sink)
 
 
 # --- emitting the replacement -------------------------------------------------------------------
@@ -371,6 +453,15 @@ def _emit(op, ctx: _Ctx, a: _Attn):
     attrs = {"qk_quant": opts.qk_quant, "pv_quant": opts.pv_quant}
     if not math.isclose(a.scale, 1.0 / math.sqrt(a.d), rel_tol=1e-6):
         attrs["scale"] = float(a.scale)
+    if a.window:
+        attrs["window"] = int(a.window)
+    if a.softcap:
+        attrs["softcap"] = float(a.softcap)
+    # optional input 8 head_sink float32 [Hq]
+    extra = [op.Constant(value=ir.tensor(a.sink.astype(np.float32)))] if a.sink is not None else []
+    ctx.fused_attrs.append({"layer": ctx.past_layer[a.past_k][0] if ctx.paged else None, "window": int(a.window),
+                            "softcap": float(a.softcap),
+                            "head_sink": None if a.sink is None else [float(x) for x in a.sink]})
     if ctx.paged:
         layer = ctx.past_layer[a.past_k][0]
         caches = [ctx.shared["cache_in"][(layer, p)] for p in CACHE_PARTS]
@@ -378,7 +469,7 @@ def _emit(op, ctx: _Ctx, a: _Attn):
         ctx.cache_out[layer] = outs
         ctx.layer_dims[layer] = (a.hkv, a.d)
         o_THD = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
-                                      ctx.shared[CU_SEQLENS_Q], _domain=DOMAIN, **attrs)
+                                      ctx.shared[CU_SEQLENS_Q], *extra, _domain=DOMAIN, **attrs)
         o = op.Transpose(op.Reshape(o_THD, _ints(op, [1, -1, a.hq, a.d])), perm=[0, 2, 1, 3])
     else:
         p = _prefill_plumbing(op, ctx, a.q_BHSD, a.mask_kind == "causal+padding")
@@ -392,7 +483,7 @@ def _emit(op, ctx: _Ctx, a: _Attn):
         gather = lambda x: op.Gather(x, p["idx"], axis=0)
         outs = op.QuantizeKVCache(gather(k_THD), gather(v_THD), p["slots"], kc, vc, ks, vs,
                                   _domain=DOMAIN, _outputs=4)
-        o_packed = op.PagedAttentionInt8(gather(q_THD), *outs, p["tables"], p["seq_lens"], p["cu"],
+        o_packed = op.PagedAttentionInt8(gather(q_THD), *outs, p["tables"], p["seq_lens"], p["cu"], *extra,
                                          _domain=DOMAIN, **attrs)
         o_all = op.ScatterND(op.Mul(q_THD, op.CastLike(op.Constant(value=ir.tensor(np.array(0.0, np.float32))),
                                                         q_THD)),
@@ -406,21 +497,52 @@ def _emit(op, ctx: _Ctx, a: _Attn):
 # --- the MatMul form as an onnxscript rule ------------------------------------------------------
 
 
-class MatMulSoftmaxAttention(pattern.RewriteRuleClassBase):
-    """``MatMul(q, K^T) [*c] [+mask] -> Softmax -> [Where(IsNaN)] -> MatMul(., V)``."""
+def _scores_pattern(op, query, key_t, qk_scale, cap_in, cap_out, mask):
+    """scores [B, Hq, S, Skv] = q [B, Hq, S, D] @ K^T [B, Hq, D, Skv], then the optional scale,
+    softcap and additive mask, in the op's order (scale -> softcap -> mask)."""
+    scores = op.MatMul(query, key_t)
+    # Optional scale on the scores (eager attention; sdpa scales q and K^T instead).
+    scores = pattern.OrValue([op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
+                             tag_var="qk_scaling", tag_values=["Mul", "Div", "None"])
+    # Optional softcap: c * tanh(scores / c) (Gemma 2's attn_logit_softcapping).
+    scores = pattern.OrValue([op.Mul(op.Tanh(op.Div(scores, cap_in)), cap_out), scores],
+                             tag_var="has_softcap", tag_values=[True, False])
+    # Optional additive mask (causal + padding, with or without a window, checked by probing).
+    return pattern.OrValue([op.Add(scores, mask), scores], tag_var="has_mask", tag_values=[True, False])
 
-    def __init__(self, ctx: _Ctx):
-        super().__init__(name="PagedAttentionInt8_MatMulSoftmax")
+
+class _AttentionRule(pattern.RewriteRuleClassBase):
+    """check/rewrite shared by the MatMul-form rules: both decode the match with
+    ``_decode_matmul_form`` (the rule's ``_decode`` maps its bindings to that)."""
+
+    def __init__(self, name: str, ctx: _Ctx):
+        super().__init__(name=name)
         self._ctx = ctx
 
-    def pattern(self, op, query, key_t, value, mask, qk_scale, nan_fill):
-        # scores [B, Hq, S, Skv] = q [B, Hq, S, D] @ K^T [B, Hq, D, Skv]
-        scores = op.MatMul(query, key_t)
-        # Optional scale on the scores (eager attention; sdpa scales q and K^T instead).
-        scores = pattern.OrValue([op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
-                                 tag_var="qk_scaling", tag_values=["Mul", "Div", "None"])
-        # Optional additive mask (causal + padding, checked by probing in check()).
-        scores = pattern.OrValue([op.Add(scores, mask), scores], tag_var="has_mask", tag_values=[True, False])
+    def check(self, context, probs, **binds):
+        where = probs.producer().name or "Softmax"
+        try:
+            self._decode(probs=probs, **binds)
+        except MatchFailureError as e:
+            self._ctx.declines.setdefault(where, e.reason if hasattr(e, "reason") else str(e))
+            return pattern.MatchResult().fail(str(getattr(e, "reason", e)))
+        self._ctx.declines.pop(where, None)
+        return pattern.MatchResult()
+
+    def rewrite(self, op, probs, **binds):
+        a = self._decode(probs=probs, **binds)
+        self._ctx.forms["matmul"] = self._ctx.forms.get("matmul", 0) + 1
+        return _emit(op, self._ctx, a)
+
+
+class MatMulSoftmaxAttention(_AttentionRule):
+    """``MatMul(q, K^T) [*c] [softcap] [+mask] -> Softmax -> [Where(IsNaN)] -> MatMul(., V)``."""
+
+    def __init__(self, ctx: _Ctx):
+        super().__init__("PagedAttentionInt8_MatMulSoftmax", ctx)
+
+    def pattern(self, op, query, key_t, value, mask, qk_scale, nan_fill, cap_in, cap_out):
+        scores = _scores_pattern(op, query, key_t, qk_scale, cap_in, cap_out, mask)
         probs = op.Softmax(scores, _outputs=["probs"])
         # sdpa's guard against fully masked rows (NaN -> 0).
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), nan_fill, probs), probs],
@@ -428,22 +550,46 @@ class MatMulSoftmaxAttention(pattern.RewriteRuleClassBase):
         # out [B, Hq, S, D] = P [B, Hq, S, Skv] @ V [B, Hq, Skv, D]
         return op.MatMul(probs, value)
 
-    def check(self, context, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None",
-              nan_fill=None, **_):
-        where = probs.producer().name or "Softmax"
-        try:
-            _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs)
-        except MatchFailureError as e:
-            self._ctx.declines.setdefault(where, e.reason if hasattr(e, "reason") else str(e))
-            return pattern.MatchResult().fail(str(getattr(e, "reason", e)))
-        self._ctx.declines.pop(where, None)
-        return pattern.MatchResult()
+    def _decode(self, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None", nan_fill=None,
+                cap_in=None, cap_out=None, **_):
+        return _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs,
+                                   cap_in, cap_out)
 
-    def rewrite(self, op, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None",
-                nan_fill=None, **_):
-        a = _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs)
-        self._ctx.forms["matmul"] = self._ctx.forms.get("matmul", 0) + 1
-        return _emit(op, self._ctx, a)
+
+class MatMulSinkSoftmaxAttention(_AttentionRule):
+    """gpt-oss's attention sinks: ``MatMul(q, K^T) [*c] [softcap] [+mask] -> Concat(., sink) ->
+    [Sub(., ReduceMax(.))] -> Softmax -> Slice [..., :-1] -> MatMul(., V)``; the per-head sink
+    constant becomes the op's ``head_sink`` input."""
+
+    def __init__(self, ctx: _Ctx):
+        super().__init__("PagedAttentionInt8_MatMulSinkSoftmax", ctx)
+
+    def pattern(self, op, query, key_t, value, mask, qk_scale, cap_in, cap_out, sink, max_axes, starts, ends,
+                axes, steps):
+        scores = _scores_pattern(op, query, key_t, qk_scale, cap_in, cap_out, mask)
+        # [B, Hq, S, Skv + 1]: the sink logit joins each row
+        cat = op.Concat(scores, sink, _outputs=["cat"])
+        # Optional max subtraction (gpt-oss's, against overflow), the max reduced over the key axis
+        row_max = pattern.OrValue([op.ReduceMax(cat, max_axes, _outputs=["row_max"]),
+                                   op.ReduceMax(cat, _outputs=["row_max"])], tag_var="max_axes_input",
+                                  tag_values=[True, False])
+        logits = pattern.OrValue([op.Sub(cat, row_max), cat], tag_var="max_sub", tag_values=[True, False])
+        probs = op.Softmax(logits, _outputs=["probs"])
+        # drop the sink's column: P [B, Hq, S, Skv]
+        kept = pattern.OrValue([op.Slice(probs, starts, ends, axes, steps, _outputs=["kept"]),
+                                op.Slice(probs, starts, ends, axes, _outputs=["kept"])], tag_var="slice_steps",
+                               tag_values=[True, False])
+        return op.MatMul(kept, value)
+
+    def _decode(self, query, key_t, value, probs, cat, kept, sink, mask=None, qk_scale=None, qk_scaling="None",
+                cap_in=None, cap_out=None, max_sub=False, row_max=None, **_):
+        sm = probs.producer()
+        axis = g.attr_int(sm, "axis", -1)
+        if not (axis == -1 or (g.rank(probs) is not None and axis == g.rank(probs) - 1)):
+            raise MatchFailureError(f"Softmax over axis {axis}, not the key axis (-1)")
+        _check_sink_softmax(cat, probs, kept, row_max.producer() if max_sub and row_max is not None else None)
+        return _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, None, probs,
+                                   cap_in, cap_out, sink)
 
 
 # --- the ONNX Attention op (opset 23) -----------------------------------------------------------
@@ -510,8 +656,8 @@ def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
             raise MatchFailureError("past concatenated in a model without a cache interface")
     hq, hkv, d = _check_dims(ctx, q, k, v)
     scale = node.attributes["scale"].value if "scale" in node.attributes else 1.0 / math.sqrt(d)
-    kind = _mask_kind(mask, ctx, causal_attr=causal)
-    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind)
+    kind, window = _mask_kind(mask, ctx, causal_attr=causal)
+    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind, window)
     if ctx.paged:
         # present_key/value are the graph outputs the paged caches replace
         for o in node.outputs[1:3]:
@@ -700,7 +846,10 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         if o is not None and o.uses():
             raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
     if prefill:
-        kind = _mask_kind(ins[10], ctx) if ins[10] is not None else "causal"
+        kind, window = _mask_kind(ins[10], ctx) if ins[10] is not None else ("causal", 0)
+        if window:
+            raise MatchFailureError(f"prefill GroupQueryAttention whose attention_bias is a sliding window "
+                                    f"({window}) is not supported")
         return q, k, v, hq, hkv, d, scale, rotary, kind
     return q, k, v, hq, hkv, d, scale, rotary
 
@@ -768,7 +917,7 @@ def _looks_like_attention(softmax: ir.Node) -> bool:
             if all(i is not None and g.const_array(i) is None for i in node.inputs[:2]):
                 return True
             continue
-        if node.op_type in ("Add", "Mul", "Div", "Where", "Cast", "Sub"):
+        if node.op_type in ("Add", "Mul", "Div", "Where", "Cast", "Sub", "Tanh", "Concat", "ReduceMax"):
             stack.extend((i, depth + 1) for i in node.inputs if i is not None and g.const_array(i) is None)
     return False
 
@@ -907,7 +1056,8 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     if paged:
         _prepare_paged_io(ctx, present_names)
 
-    rules = pattern.RewriteRuleSet([MatMulSoftmaxAttention.rule(ctx)], commute=True)
+    rules = pattern.RewriteRuleSet([MatMulSoftmaxAttention.rule(ctx), MatMulSinkSoftmaxAttention.rule(ctx)],
+                                   commute=True)
     fused = rules.apply_to_model(work)
     fused += _fuse_onnx_attention(ctx)
     fused += _fuse_gqa(ctx)
@@ -937,7 +1087,8 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     model.graph = work.graph  # opset imports live on the graph in onnx_ir
     model.metadata_props.update(work.metadata_props)
     result.fused = fused
-    result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms)}
+    result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms),
+                      "blocks": sorted(ctx.fused_attrs, key=lambda b: -1 if b["layer"] is None else b["layer"])}
     if ctx.shared.get("positions_rerouted"):
         # what the graph computed from the cache length now reads position_ids
         result.details["positions"] = "position_ids (the graph computed them from the cache length)"
