@@ -249,9 +249,9 @@ def _subgraph_proto(proto, output: str):
 
 
 def _run_mask(proto, mask_name: str, past_names: set, keys: int, seq: int) -> np.ndarray:
-    """The mask ``mask_name`` as the model computes it for one unpadded sequence of ``keys``
-    tokens whose last ``seq`` are new (the rest is past), as hidden[..., seq, keys] booleans
-    (True: the key is hidden); raises ValueError naming what stops the run."""
+    """The mask ``mask_name`` for one unpadded sequence of ``keys`` tokens whose last ``seq`` are
+    new (the rest is past), [..., seq, keys]
+    as the graph computes it (bool, or additive float); raises ValueError naming what stops the run."""
     import onnxruntime as ort
 
     sub = _subgraph_proto(proto, mask_name)
@@ -276,13 +276,17 @@ def _run_mask(proto, mask_name: str, past_names: set, keys: int, seq: int) -> np
     so = ort.SessionOptions()
     so.log_severity_level = 4
     sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    m = np.asarray(sess.run(None, feeds)[0])
+    return np.asarray(sess.run(None, feeds)[0])
+
+
+def _hidden(m: np.ndarray) -> np.ndarray | None:
+    """Which keys a mask hides (True), or None when it adds other values than 0 and <= -1e4."""
     if m.dtype == np.bool_:
         return ~m
     if not np.issubdtype(m.dtype, np.floating):
         return m != 0
     if np.any((m > -1e4) & (m != 0)):
-        raise ValueError("the mask adds values other than 0 and <= -1e4 (a bias)")
+        return None
     return m <= -1e4
 
 
@@ -292,37 +296,44 @@ def mask_window(proto, mask_name: str, past_names: set, paged: bool) -> tuple[in
     prompt tokens in prefill-only graphs) sees every key; W when it sees exactly the last W keys
     and, run again on W + 9 keys (the last 5 of them new, or all new in prefill-only graphs),
     every query at position p sees exactly the keys k with p - W < k <= p (the contract's
-    ``window``); None with a reason otherwise or when the plumbing cannot be run this way."""
+    ``window``); None with the reason (a sentence) otherwise or when the plumbing cannot be run
+    this way."""
     keys = LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL
+    bias = "the mask is not causal: it adds values other than 0 and <= -1e4 (a bias)"
     try:
-        hidden = _run_mask(proto, mask_name, past_names, keys, 1 if paged else keys)
+        hidden = _hidden(_run_mask(proto, mask_name, past_names, keys, 1 if paged else keys))
     except Exception as e:  # noqa: BLE001 - reported by the caller as "cannot check"
         first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        return None, f"running the mask on {keys} keys failed ({first})"
+        return None, f"cannot measure the mask's window: running the mask on {keys} keys failed ({first})"
+    if hidden is None:
+        return None, bias
     last = hidden[..., -1, :].reshape(-1, hidden.shape[-1])
     if not np.any(last):
         return 0, ""
     rows = np.unique(last, axis=0)
     first_seen = int(np.argmax(~rows[0])) if rows.shape[0] == 1 and np.any(~rows[0]) else -1
     if first_seen < 0 or np.any(rows[0, first_seen:]) or not np.all(rows[0, :first_seen]):
-        return None, (f"the last of {keys} keys' query sees keys that are not one run ending at its own "
-                      "position (not a sliding window)")
+        return None, (f"the mask is not causal, with or without a window: the last of {keys} keys' query "
+                      "sees keys that are not one run ending at its own position (not a sliding window)")
     window = keys - first_seen
     total = window + 9
     seq = min(5, total) if paged else total
     try:
-        hidden = _run_mask(proto, mask_name, past_names, total, seq)
+        hidden = _hidden(_run_mask(proto, mask_name, past_names, total, seq))
     except Exception as e:  # noqa: BLE001
         first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        return None, f"running the mask on {total} keys failed ({first})"
+        return None, f"cannot measure the mask's window: running the mask on {total} keys failed ({first})"
+    if hidden is None:
+        return None, bias
     want = ~expected_visible(np.ones((1, total)), total - seq, seq, False, window)[0]
     try:
         got = np.broadcast_to(hidden, hidden.shape[:-2] + want.shape).reshape(-1, *want.shape)
     except ValueError:
-        return None, f"the mask on {total} keys has shape {list(hidden.shape)}, expected [..., {seq}, {total}]"
+        return None, (f"cannot measure the mask's window: on {total} keys it has shape {list(hidden.shape)}, "
+                      f"expected [..., {seq}, {total}]")
     if not np.all(got == want[None]):
-        return None, (f"the last of {keys} keys' query sees the last {window} keys, but on {total} keys the "
-                      f"mask is not causal with a window of {window} (not a sliding window)")
+        return None, (f"the mask is not causal, with or without a window: the last of {keys} keys' query sees "
+                      f"the last {window} keys, but on {total} keys the queries do not (not a sliding window)")
     return window, ""
 
 

@@ -280,8 +280,7 @@ def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> t
         raise MatchFailureError("is_causal together with a mask is not supported")
     if mask.name not in ctx.window_checked:
         window, detail = g.mask_window(ctx.proto, mask.name, {v.name for v in ctx.past_layer}, ctx.paged)
-        ctx.window_checked[mask.name] = (window or 0, "" if window is not None else f"cannot tell the mask's "
-                                         f"window (a causal mask, limited or not to the last W positions): {detail}")
+        ctx.window_checked[mask.name] = (window or 0, "" if window is not None else detail)
     window, reason = ctx.window_checked[mask.name]
     if reason:
         raise MatchFailureError(reason)
