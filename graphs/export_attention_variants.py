@@ -17,10 +17,11 @@ Forms:
     mistral_window_kv   Mistral, sdpa, ``sliding_window`` 24 on every layer: the mask is causal
                         and hides keys more than 23 positions back.
     gemma2_softcap_kv   Gemma 2, eager (its sdpa path cannot softcap), layer 0 sliding (24),
-                        layer 1 global; ``attn_logit_softcapping`` 5.0 (Gemma 2 ships 50.0, which
+                        layer 1 global; ``attn_logit_softcapping`` 2.0 (Gemma 2 ships 50.0, which
                         on a random model's small logits would leave tanh linear and the softcap
-                        untested), ``query_pre_attn_scalar`` 256 (scale 1/16, not 1/sqrt(64)),
-                        final logit softcap 30: MatMul, Mul(scale), Div(5), Tanh, Mul(5), Add(mask),
+                        untested; q_proj is scaled by 4 for the same reason),
+                        ``query_pre_attn_scalar`` 256 (scale 1/16, not 1/sqrt(64)),
+                        final logit softcap 30: MatMul, Mul(scale), Div(2), Tanh, Mul(2), Add(mask),
                         Softmax, MatMul.
     gptoss_sinks_kv     gpt-oss, eager (sinks live only there), layer 0 sliding (24), layer 1
                         global, q/k/v/o with bias, 4 experts top-2 (``batched_mm``; the MoE is
@@ -59,12 +60,17 @@ def _mistral():
 
 
 def _gemma2():
+    import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING, attn_logit_softcapping=5.0,
+    cfg = Gemma2Config(**_COMMON, sliding_window=WINDOW, layer_types=_ALTERNATING, attn_logit_softcapping=2.0,
                        final_logit_softcapping=30.0, query_pre_attn_scalar=256)
     cfg._attn_implementation = "eager"
-    return Gemma2ForCausalLM(cfg)
+    m = Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)  # scores of a few units, where tanh(s / 2) bends
+    return m
 
 
 def _gptoss():

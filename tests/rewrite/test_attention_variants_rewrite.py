@@ -2,7 +2,7 @@
 """The attention rewrite on sliding-window, softcapped and sink attention.
 
 Fixtures (tests/fixtures/attention, made by graphs/export_attention_variants.py): Mistral (a
-window of 24 on every layer), Gemma 2 (softcap 5, layer 0 a window of 24, layer 1 global) and
+window of 24 on every layer), Gemma 2 (softcap 2, layer 0 a window of 24, layer 1 global) and
 gpt-oss (sinks -1 and 2, layer 0 a window of 24, layer 1 global). Each must fuse every layer
 with the window, softcap and sinks of its config (the constants the export script put in the
 model), measured from the model, not assumed. Hand-built decoders (graphs/attention.py) check
@@ -35,7 +35,7 @@ SINKS = [-1.0, 2.0]
 # fixture -> per layer (window, softcap, head_sink), and the scale attribute when not 1/sqrt(D)
 EXPECTED = {
     "mistral_window_kv": ([(WINDOW, 0.0, None), (WINDOW, 0.0, None)], None),
-    "gemma2_softcap_kv": ([(WINDOW, 5.0, None), (0, 5.0, None)], 1.0 / 16),  # query_pre_attn_scalar 256
+    "gemma2_softcap_kv": ([(WINDOW, 2.0, None), (0, 2.0, None)], 1.0 / 16),  # query_pre_attn_scalar 256
     "gptoss_sinks_kv": ([(WINDOW, 0.0, SINKS), (0, 0.0, SINKS)], None),
 }
 
@@ -135,7 +135,7 @@ def _set_const_input(m: onnx.ModelProto, node: onnx.NodeProto, slot: int, value:
 
 
 def _softcap_mismatch(m):
-    """Gemma 2's softcap with Mul by 6 after Div by 5: not the op's c * tanh(s / c)."""
+    """Gemma 2's softcap with Mul by 6 after Div by 2: not the op's c * tanh(s / c)."""
     tanh = _node(m, "Tanh")
     mul = next(n for n in m.graph.node if n.op_type == "Mul" and tanh.output[0] in n.input)
     _set_const_input(m, mul, 1 - list(mul.input).index(tanh.output[0]), np.array(6.0, np.float32))
@@ -171,7 +171,7 @@ def _sink_not_constant(m):
 
 
 NEGATIVE = {
-    "softcap-mismatch": ("gemma2_softcap_kv", _softcap_mismatch, "softcap divides by 5.0 and multiplies by 6.0"),
+    "softcap-mismatch": ("gemma2_softcap_kv", _softcap_mismatch, "softcap divides by 2.0 and multiplies by 6.0"),
     "sink-slice-front": ("gptoss_sinks_kv", _sink_slice_front, "not sliced to [..., :-1]"),
     "sink-not-constant": ("gptoss_sinks_kv", _sink_not_constant, "(sinks) is not a constant"),
 }
@@ -190,3 +190,136 @@ def test_inexpressible_variant_declined(case):
     after = ir.serde.serialize_model(m)
     assert collections.Counter(n.op_type for n in after.graph.node) == collections.Counter(
         n.op_type for n in orig.graph.node)
+
+
+# --- the rewritten model under the contract's semantics, without the native kernels ----------------
+#
+# The rewritten fixtures (qk_quant = pv_quant = "none") run on onnx's ReferenceEvaluator with the
+# two custom ops implemented here from DESIGN.md's text: QuantizeKVCache by its numpy reference,
+# PagedAttentionInt8 as float attention over the dequantized cache with the window, softcap and
+# head sink of the contract (written out below, not the package's reference, so a misreading of
+# the contract by the rewrite and by the reference cannot cancel). The original with its new K/V
+# INT8 quantize-dequantized in its own graph (emulate_kv_int8) on stock onnxruntime must give the
+# same logits: then the rewrite read the window, softcap, sinks and scale the model computes.
+
+
+def _contract_attention(q, kc, vc, ks, vs, tables, seq_lens, cu, sink, scale, window, softcap):
+    """PagedAttentionInt8 with float Q.K and P.V in float64: query at position p sees keys
+    p - window < k <= p (window 0: k <= p); s = scale * q.k; s = c * tanh(s / c) when softcap;
+    P = exp(s - m) / (exp(sink - m) + sum exp(s - m)), m = max(sink, max s); out = P @ V."""
+    from ort_ops.ops.paged_attention_int8 import gather_sequence
+
+    t, hq, d = q.shape
+    hkv = kc.shape[1]
+    out = np.zeros((t, hq, d), np.float64)
+    for s in range(len(seq_lens)):
+        length, rows = int(seq_lens[s]), range(int(cu[s]), int(cu[s + 1]))
+        kq, sk, vq, sv = gather_sequence(kc, vc, ks, vs, tables[s], length)
+        k = kq.astype(np.float64) * sk[..., None]  # [L, Hkv, D]
+        v = vq.astype(np.float64) * sv[..., None]
+        for i, row in enumerate(rows):
+            p = length - len(rows) + i
+            keys = np.arange(length)
+            visible = (keys <= p) & ((keys > p - window) if window else True)
+            for h in range(hq):
+                kv = h // (hq // hkv)
+                sc = scale * (k[:, kv, :] @ q[row, h].astype(np.float64))
+                if softcap:
+                    sc = softcap * np.tanh(sc / softcap)
+                sc = sc[visible]
+                m = max(sc.max(), sink[h]) if sink is not None else sc.max()
+                e = np.exp(sc - m)
+                denom = e.sum() + (np.exp(sink[h] - m) if sink is not None else 0.0)
+                out[row, h] = (e @ v[visible, kv, :]) / denom
+    return out.astype(q.dtype)
+
+
+def _reference_evaluator(model: onnx.ModelProto):
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    from ort_ops._domain import DOMAIN
+    from ort_ops.ops import quantize_kv_cache
+
+    class QuantizeKVCache(OpRun):
+        op_domain = DOMAIN
+
+        def _run(self, key, value, slot_mapping, key_cache, value_cache, key_scale, value_scale):
+            return tuple(quantize_kv_cache.reference(key, value, slot_mapping, key_cache, value_cache, key_scale,
+                                                     value_scale))
+
+        def run(self, *args, **kwargs):  # no attributes: skip OpRun's attribute plumbing
+            return self._run(*args)
+
+    class PagedAttentionInt8(OpRun):
+        op_domain = DOMAIN
+
+        def _run(self, q, kc, vc, ks, vs, tables, seq_lens, cu, head_sink=None):
+            a = {att.name: onnx.helper.get_attribute_value(att) for att in self.onnx_node.attribute}
+            quant = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in a.items() if k.endswith("_quant")}
+            assert quant == {"qk_quant": "none", "pv_quant": "none"}, quant
+            scale = a.get("scale", 1.0 / np.sqrt(q.shape[-1]))
+            return (_contract_attention(q, kc, vc, ks, vs, tables, seq_lens, cu, head_sink, scale,
+                                        a.get("window", 0), a.get("softcap", 0.0)),)
+
+        def run(self, *args, **kwargs):
+            return self._run(*args)
+
+    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8])
+
+
+def _paged_prefill_logits(model: onnx.ModelProto, prompts: list[list[int]], block_size: int = 16) -> np.ndarray:
+    """Last-token logits [S, V] of one packed prefill of ``prompts`` on the ReferenceEvaluator."""
+    from ort_ops.paged_interface import cache_input_name
+    from ort_ops.runtime import paged_metadata
+
+    meta = paged_metadata(model)
+    blocks = [-(-len(p) // block_size) for p in prompts]
+    tables = np.zeros((len(prompts), max(blocks)), np.int32)
+    slots, start = [], 0
+    for s, (p, nb) in enumerate(zip(prompts, blocks)):
+        tables[s, :nb] = np.arange(start, start + nb)
+        slots += [start * block_size + i for i in range(len(p))]
+        start += nb
+    feeds = {"input_ids": np.array([sum(prompts, [])], np.int64),
+             "position_ids": np.array([sum((list(range(len(p))) for p in prompts), [])], np.int64),
+             "slot_mapping": np.array(slots, np.int64), "block_tables": tables,
+             "seq_lens": np.array([len(p) for p in prompts], np.int32),
+             "cu_seqlens_q": np.concatenate([[0], np.cumsum([len(p) for p in prompts])]).astype(np.int32)}
+    for layer, (hkv, d) in enumerate(meta["layer_dims"]):
+        feeds[cache_input_name(layer, "key")] = np.zeros((start, hkv, block_size, d), np.int8)
+        feeds[cache_input_name(layer, "value")] = np.zeros((start, hkv, d, block_size), np.int8)
+        for part in ("key_scale", "value_scale"):
+            feeds[cache_input_name(layer, part)] = np.zeros((start, hkv, block_size), np.float32)
+    logits = _reference_evaluator(model).run([meta["logits"]], feeds)[0][0]
+    if meta["logits_rows"] == "all":  # lm_head not a plain MatMul (Gemma 2's final softcap): every token's
+        logits = logits[feeds["cu_seqlens_q"][1:] - 1]
+    return logits
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_rewritten_variant_matches_the_original_under_the_contract(name):
+    """Two prompts longer than the window (31 and 44 tokens), packed in one prefill: the
+    rewritten model under the contract's semantics equals the original with K/V INT8 emulated."""
+    import onnxruntime as ort
+
+    from graphs.attention import emulate_kv_int8
+    from ort_ops.verify import make_prompts
+    from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL
+
+    model, _ = rewrite_model(_path(name), moe=False, qk_quant="none", pv_quant="none")
+    rewritten = ir.serde.serialize_model(model)
+    prompts = make_prompts(128, lengths=(31, 44), seed=5, avoid=(2,))
+    got = _paged_prefill_logits(rewritten, prompts)
+    emulated = emulate_kv_int8(onnx.load(_path(name)))
+    sess = ort.InferenceSession(emulated.SerializeToString(), providers=["CPUExecutionProvider"])
+    for p, row in zip(prompts, got):
+        feeds = {"input_ids": np.array([p], np.int64), "attention_mask": np.ones((1, len(p)), np.int64),
+                 "position_ids": np.arange(len(p))[None]}
+        for i in sess.get_inputs():
+            if i.name.startswith("past"):
+                feeds[i.name] = np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+        want = sess.run(["logits"], feeds)[0][0, -1]
+        assert np.all(np.isfinite(row))
+        err = np.abs(want - row).max()
+        assert err <= ATTN_REWRITE_EMULATED_LOGITS_ATOL, (name, len(p), err)

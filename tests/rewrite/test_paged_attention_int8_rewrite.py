@@ -9,7 +9,7 @@ quantization emulated in the graph (so every index, position and layout of the r
 with the default s8/s8 its logits stay within the INT8 budget and greedy generation of 32 tokens
 on a batch of prompts of different lengths agrees with the fp32 original and stops where it stops.
 The prefill-only form keeps its interface and handles left-padded batches. Hand-built decoders
-(graphs/attention.py): the attention the ops cannot express (sliding window, bias, no mask,
+(graphs/attention.py): the attention the ops cannot express (chunked window, bias, no mask,
 softmax over queries, head_dim 48) is left unfused, reported with its reason, and the model still
 runs unchanged.
 """
