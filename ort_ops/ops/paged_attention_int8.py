@@ -15,15 +15,21 @@ Inputs:
     seq_lens      int32   [S]                  context length after the new tokens were cached
     cu_seqlens_q  int32   [S + 1] optional     query rows of sequence s: cu[s] .. cu[s+1]-1
                                                (absent: decode, one query per sequence, T == S)
+    head_sink     float32 [Hq] optional        per q head logit in the softmax denominator only
+                                               (absent: no sink)
 Output:
     output        [T, Hq, D], dtype of query
 Attributes:
     scale (float, default 1/sqrt(D)), qk_quant ("s8" | "none"), pv_quant ("s8" | "u8" | "none"),
-    partition_size (int, multiple of 32, default 256: the decode split; speed only).
+    partition_size (int, multiple of 32, default 256: the decode split; speed only),
+    window (int, default 0 = none: a query at p sees keys p - window < k <= p),
+    softcap (float, default 0 = off: s = softcap * tanh(s / softcap) after the scale).
 
 Query j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and sees keys at positions
-<= its own. q head h reads kv head ``h // (Hq / Hkv)``. Only the first ``ceil(seq_lens[s] / B)``
-entries of a block-table row are read (the rest may hold anything, e.g. -1).
+<= its own (and > its own - window when window > 0). q head h reads kv head ``h // (Hq / Hkv)``.
+Only the block-table entries of blocks a query of the sequence can see are read: the first
+``ceil(seq_lens[s] / B)``, less those wholly before the window of the sequence's first query
+(the rest may hold anything, e.g. -1).
 
 ``reference`` below is the spec, written literally from DESIGN.md (normalized P over all visible
 keys, then W = P * sV, per 32-position group requantization of W, int32 inner sums). Kernels
@@ -62,6 +68,7 @@ SCHEMA = OpSchema(
         Arg("block_tables", ("int32",), doc="[S, M]"),
         Arg("seq_lens", ("int32",), doc="[S]"),
         Arg("cu_seqlens_q", ("int32",), optional=True, doc="[S + 1]; absent: decode"),
+        Arg("head_sink", ("float32",), optional=True, doc="[Hq]; absent: no sink"),
     ),
     outputs=(Arg("output", FLOAT_TYPES, doc="[T, Hq, D], dtype of query"),),
     attrs=(
@@ -69,6 +76,8 @@ SCHEMA = OpSchema(
         Attr("qk_quant", "string", "s8", doc="s8 | none"),
         Attr("pv_quant", "string", "s8", doc="s8 | u8 | none"),
         Attr("partition_size", "int", 256, doc="decode split, multiple of 32"),
+        Attr("window", "int", 0, doc="sliding window (keys p - window < k <= p); 0: none"),
+        Attr("softcap", "float", 0.0, doc="logit soft cap after the scale; 0: off"),
     ),
     doc=__doc__,
 )
@@ -102,7 +111,7 @@ def _query_rows(t: int, seq_lens: np.ndarray, cu_seqlens_q: np.ndarray | None) -
 
 
 def _check(query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
-           qk_quant, pv_quant, partition_size) -> None:
+           qk_quant, pv_quant, partition_size, window, softcap, head_sink) -> None:
     if query.ndim != 3:
         _fail(f"input 'query' must have rank 3, got shape {list(query.shape)}")
     _, hq, d = query.shape
@@ -136,29 +145,48 @@ def _check(query, key_cache, value_cache, key_scale, value_scale, block_tables, 
         _fail(f"attribute 'pv_quant' must be s8, u8 or none, got '{pv_quant}'")
     if partition_size <= 0 or partition_size % GROUP:
         _fail(f"attribute 'partition_size' must be a positive multiple of 32, got {partition_size}")
+    if window < 0:
+        _fail(f"attribute 'window' must be >= 0 (0: no window), got {window}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        _fail(f"attribute 'softcap' must be finite and >= 0 (0: off), got {np.float32(softcap)}")
+    if head_sink is not None:
+        if head_sink.shape != (hq,):
+            _fail(f"input 'head_sink' must have shape [{hq}] (query heads), got {list(head_sink.shape)}")
+        if not np.all(np.isfinite(head_sink)):
+            _fail(f"input 'head_sink' must be finite, got NaN or Inf at head {int(np.nonzero(~np.isfinite(head_sink))[0][0])}")
 
 
-def _check_blocks(block_tables, seq_lens, num_blocks, block_size, cu) -> None:
-    """Every block id a query can reach: the first ceil(seq_lens[s] / B) entries of the rows of
-    sequences with at least one query (a sequence without queries is not read, as in the kernels)."""
+def first_visible(seq_len: int, q_len: int, window: int) -> int:
+    """The first key position any of a sequence's q_len queries sees: that of its first query
+    (position seq_len - q_len), 0 without a window."""
+    return max(0, seq_len - q_len - window + 1) if window > 0 else 0
+
+
+def _check_blocks(block_tables, seq_lens, num_blocks, block_size, cu, window) -> None:
+    """Every block id a query can reach: entries first_visible // B .. ceil(seq_lens[s] / B) - 1 of
+    the rows of sequences with at least one query (a sequence without queries is not read, and
+    blocks wholly before the window are not read, as in the kernels)."""
     for i in range(seq_lens.shape[0]):
         if cu[i + 1] == cu[i]:
             continue
+        first = first_visible(int(seq_lens[i]), int(cu[i + 1] - cu[i]), window) // block_size
         used = block_tables[i, : -(-int(seq_lens[i]) // block_size)]
         bad = np.nonzero((used < 0) | (used >= num_blocks))[0]
+        bad = bad[bad >= first]
         if bad.size:
             _fail(f"input 'block_tables' must hold block ids in 0..{num_blocks - 1}, got block_tables[{i}, "
                   f"{int(bad[0])}] = {int(used[bad[0]])}")
 
 
-def gather_sequence(key_cache, value_cache, key_scale, value_scale, block_row, seq_len):
-    """One sequence's cached tokens in position order.
+def gather_sequence(key_cache, value_cache, key_scale, value_scale, block_row, seq_len, first=0):
+    """One sequence's cached tokens at positions first .. seq_len - 1, in position order.
 
     Returns:
-        kq int8 [L, Hkv, D], sk float32 [L, Hkv], vq int8 [L, Hkv, D], sv float32 [L, Hkv].
+        kq int8 [L, Hkv, D], sk float32 [L, Hkv], vq int8 [L, Hkv, D], sv float32 [L, Hkv]
+        (L = seq_len - first).
     """
     b = key_cache.shape[2]
-    pos = np.arange(seq_len)
+    pos = np.arange(first, seq_len)
     blk = np.asarray(block_row)[pos // b].astype(np.int64)
     off = pos % b
     kq = key_cache[blk, :, off, :]                                  # [L, Hkv, D]
@@ -166,14 +194,25 @@ def gather_sequence(key_cache, value_cache, key_scale, value_scale, block_row, s
     return kq, key_scale[blk, :, off], vq, value_scale[blk, :, off]
 
 
-def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
+def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant, key0=0, window=0,
+                     softcap=0.0, sink=None):
     """Literal DESIGN.md semantics for n queries of one q head against L keys of its kv head.
 
-    q float32 [n, D] at positions first_pos .. first_pos + n - 1; kq, vq int8 [L, D];
-    sk, sv float32 [L]. Returns (float32 [n, D], code step float32 [n]: the largest W quantum
-    max_g(max_{t in g} W_t) / L of each query, 0 for pv none).
+    q float32 [n, D] at positions first_pos .. first_pos + n - 1; kq, vq int8 [L, D] and
+    sk, sv float32 [L] at key positions key0 .. key0 + L - 1 (keys before key0 are outside every
+    query's window). sink: float32 scalar or None. Returns (float32 [n, D], code step float32 [n]:
+    the largest W quantum max_g(max_{t in g} W_t) / L of each query, 0 for pv none).
     """
     n, d = q.shape
+    # Pad the front to a 32-aligned position with keys nobody sees (W = 0), so the groups below
+    # stay the absolute groups [32g, 32g + 32).
+    front = key0 % GROUP
+    if front:
+        kq = np.pad(kq, ((front, 0), (0, 0)))
+        vq = np.pad(vq, ((front, 0), (0, 0)))
+        sk = np.pad(sk, (front, 0))
+        sv = np.pad(sv, (front, 0))
+        key0 -= front
     length = kq.shape[0]
     # s_t = (Qq . Kq_t) * sQ * sK_t * scale; int8 dot products are exact in float64 (|sum| < 2^53).
     if qk_quant == "s8":
@@ -183,11 +222,27 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
     else:
         s = ((q @ kq.astype(np.float32).T) * sk[None, :]) * np.float32(scale)
     s = s.astype(np.float32)
-    visible = np.arange(length)[None, :] <= (first_pos + np.arange(n))[:, None]   # causal
+    if softcap > 0:  # Gemma 2: one division, tanh, one multiply (float32)
+        cap = np.float32(softcap)
+        s = (cap * np.tanh((s / cap).astype(np.float32))).astype(np.float32)
+    kpos = key0 + np.arange(length)[None, :]
+    qpos = (first_pos + np.arange(n))[:, None]
+    visible = kpos <= qpos                                                          # causal
+    if window > 0:
+        visible &= kpos > qpos - window                                            # sliding window
     s = np.where(visible, s, np.float32(-np.inf))
-    # P = softmax over the visible keys; W = P * sV (V's per-token scale folded into P).
-    e = np.exp(s - s.max(axis=1, keepdims=True)).astype(np.float32)
-    p = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    # P = softmax over the visible keys (and the sink, which joins the denominator only);
+    # W = P * sV (V's per-token scale folded into P). m is the keys' max even with a sink, as in
+    # the kernels: e = exp(s - m) keeps its relative precision (exp(s - sink) for a sink far above
+    # the scores would round s - sink to the sink's ulp and move W codes at ties). A sink more than
+    # ~88 above m makes exp(sink - m) inf and P = 0: the true P is then below e^-88.
+    m = s.max(axis=1, keepdims=True)
+    e = np.exp(s - m).astype(np.float32)
+    den = e.sum(axis=1, keepdims=True, dtype=np.float32)
+    if sink is not None:
+        with np.errstate(over="ignore"):
+            den = (den + np.exp(np.float32(sink) - m)).astype(np.float32)
+    p = (e / den).astype(np.float32)
     w = (p * sv[None, :]).astype(np.float32)
     if pv_quant == "none":
         return (w @ vq.astype(np.float32)).astype(np.float32), np.zeros(n, np.float32)
@@ -214,8 +269,9 @@ def _attend_one_head(q, kq, sk, vq, sv, first_pos, scale, qk_quant, pv_quant):
 
 def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray, key_scale: np.ndarray,
               value_scale: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
-              cu_seqlens_q: np.ndarray | None = None, *, scale: float | None = None, qk_quant: str = "s8",
-              pv_quant: str = "s8", partition_size: int = 256, return_code_step: bool = False):
+              cu_seqlens_q: np.ndarray | None = None, head_sink: np.ndarray | None = None, *,
+              scale: float | None = None, qk_quant: str = "s8", pv_quant: str = "s8", partition_size: int = 256,
+              window: int = 0, softcap: float = 0.0, return_code_step: bool = False):
     """numpy PagedAttentionInt8 (the spec; see the module docstring for shapes).
 
     ``partition_size`` is validated but does not enter the result: it only splits the work.
@@ -228,16 +284,17 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
     """
     SCHEMA.check_dtypes({"query": query, "key_cache": key_cache, "value_cache": value_cache, "key_scale": key_scale,
                          "value_scale": value_scale, "block_tables": block_tables, "seq_lens": seq_lens,
-                         "cu_seqlens_q": cu_seqlens_q})
+                         "cu_seqlens_q": cu_seqlens_q, "head_sink": head_sink})
     query = np.asarray(query)
+    head_sink = None if head_sink is None else np.asarray(head_sink)
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     block_tables = np.asarray(block_tables).astype(np.int64)
     _check(query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
-           qk_quant, pv_quant, partition_size)
+           qk_quant, pv_quant, partition_size, int(window), float(softcap), head_sink)
     t, hq, d = query.shape
     hkv = key_cache.shape[1]
     cu = _query_rows(t, seq_lens, cu_seqlens_q)
-    _check_blocks(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[2], cu)
+    _check_blocks(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[2], cu, int(window))
     q32 = query.astype(np.float32)
     if not np.all(np.isfinite(q32)):
         _fail("input 'query' must be finite (NaN or Inf found)")
@@ -252,17 +309,21 @@ def reference(query: np.ndarray, key_cache: np.ndarray, value_cache: np.ndarray,
         if n == 0:
             continue
         length = int(seq_lens[s])
-        kq, sk, vq, sv = gather_sequence(key_cache, value_cache, key_scale, value_scale, block_tables[s], length)
+        first = first_visible(length, n, int(window))
+        kq, sk, vq, sv = gather_sequence(key_cache, value_cache, key_scale, value_scale, block_tables[s], length,
+                                         first)
         for h in range(hq):
             kh = h // group
             out[cu[s]:cu[s + 1], h], step[cu[s]:cu[s + 1], h] = _attend_one_head(
                 q32[cu[s]:cu[s + 1], h], kq[:, kh], sk[:, kh], vq[:, kh], sv[:, kh], length - n, scale,
-                qk_quant, pv_quant)
+                qk_quant, pv_quant, key0=first, window=int(window), softcap=float(softcap),
+                sink=None if head_sink is None else np.float32(head_sink[h]))
     return (out.astype(query.dtype), step) if return_code_step else out.astype(query.dtype)
 
 
 def exact_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_seqlens_k: np.ndarray,
-                    cu_seqlens_q: np.ndarray | None = None, *, scale: float | None = None) -> np.ndarray:
+                    cu_seqlens_q: np.ndarray | None = None, *, scale: float | None = None, window: int = 0,
+                    softcap: float = 0.0, head_sink: np.ndarray | None = None) -> np.ndarray:
     """float64 causal attention on unquantized K/V (the yardstick for error budgets).
 
     Args:
@@ -271,6 +332,7 @@ def exact_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_se
         cu_seqlens_q: [S + 1] query rows per sequence (None: one query per sequence); the queries
             of sequence s are its last q_len_s positions, as in PagedAttentionInt8.
         scale: default 1/sqrt(D).
+        window, softcap, head_sink: as PagedAttentionInt8's (0 / 0 / None: off).
 
     Returns:
         float64 [T, Hq, D].
@@ -287,12 +349,20 @@ def exact_attention(query: np.ndarray, key: np.ndarray, value: np.ndarray, cu_se
     for s in range(len(cuk) - 1):
         n, length = int(cuq[s + 1] - cuq[s]), int(cuk[s + 1] - cuk[s])
         ks, vs = k[cuk[s]:cuk[s + 1]], v[cuk[s]:cuk[s + 1]]
-        visible = np.arange(length)[None, :] <= (length - n + np.arange(n))[:, None]
+        kpos, qpos = np.arange(length)[None, :], (length - n + np.arange(n))[:, None]
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
         for h in range(hq):
             sc = (q[cuq[s]:cuq[s + 1], h] @ ks[:, h // group].T) * scale
+            if softcap > 0:
+                sc = softcap * np.tanh(sc / softcap)
             sc = np.where(visible, sc, -np.inf)
-            p = np.exp(sc - sc.max(axis=1, keepdims=True))
-            out[cuq[s]:cuq[s + 1], h] = (p / p.sum(axis=1, keepdims=True)) @ vs[:, h // group]
+            mx = sc.max(axis=1, keepdims=True)
+            sink = None if head_sink is None else float(head_sink[h])
+            if sink is not None:
+                mx = np.maximum(mx, sink)
+            p = np.exp(sc - mx)
+            den = p.sum(axis=1, keepdims=True) + (0.0 if sink is None else np.exp(sink - mx))
+            out[cuq[s]:cuq[s + 1], h] = (p / den) @ vs[:, h // group]
     return out
 
 

@@ -376,3 +376,248 @@ def test_wrong_dtypes(rng):
 ])
 def test_bad_attributes(rng, attrs, expected):
     _raises(_small(rng), f"{OP}: " + expected, **attrs)
+
+
+# --- window, softcap and head_sink (DESIGN.md; transformers' sliding_window, Gemma 2's
+# attn_logit_softcapping, gpt-oss's sinks) ---
+
+WINDOWS = [1, 37, 100, 300, 5000]  # one key; not a multiple of 32 or of B; > a partition; > every context
+SINKS = {"pos": 6.0, "pos_large": 30.0, "neg_large": -30.0, "mixed": None}
+
+
+def _sink(rng, hq, kind):
+    """float32 [Hq] head_sink: a constant, or (mixed) N(0, 3) per head."""
+    if SINKS[kind] is None:
+        return (rng.standard_normal(hq) * 3.0).astype(np.float32)
+    return np.full(hq, SINKS[kind], np.float32)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("pv", ["s8", "u8", "none"])
+@pytest.mark.parametrize("qk", ["s8", "none"])
+def test_window_softcap_sink_together(monkeypatch, rng, isa, pv, qk):
+    """All three at once, every kernel variant and quantization mode: decode over several
+    partitions (a window not a multiple of 32 or B, starting mid-block, mid-group and
+    mid-partition) and prefill chunks with history (the window start moves with each query row),
+    GQA 8:2."""
+    use_isa(monkeypatch, isa)
+    attrs = {"pv_quant": pv, "qk_quant": qk, "window": 300, "softcap": 2.5}
+    ins, vmax = _case(rng, [1, 19, 333, 700], hq=8, hkv=2, d=64, b=16)
+    ins["head_sink"] = _sink(rng, 8, "mixed")
+    _assert_matches(_run(ins, **attrs), ins, vmax, **attrs)
+    ins, vmax = _case(rng, [5, 100, 600], q_lens=[5, 1, 70], hq=8, hkv=2, d=64, b=32)
+    ins["head_sink"] = _sink(rng, 8, "mixed")
+    attrs["window"] = 45
+    _assert_matches(_run(ins, **attrs), ins, vmax, **attrs)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "best"])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("b", [8, 16, 64])
+def test_window(monkeypatch, rng, isa, window, b):
+    """Windows from one key to more than the context, block sizes below, at and above the 32-key
+    group, decode (partition 96: the split starts mid-context) and prefill chunks of up to 80
+    rows (several row chunks and key tiles)."""
+    use_isa(monkeypatch, _best_isa() if isa == "best" else isa)
+    ins, vmax = _case(rng, [1, 45, 300, 1000], hq=6, hkv=2, d=96, b=b)
+    for pv in ("s8", "u8", "none"):
+        _assert_matches(_run(ins, pv_quant=pv, window=window, partition_size=96), ins, vmax,
+                        pv_quant=pv, window=window)
+    ins, vmax = _case(rng, [3, 300, 700], q_lens=[3, 1, 80], hq=6, hkv=2, d=96, b=b)
+    for pv in ("s8", "u8"):
+        _assert_matches(_run(ins, pv_quant=pv, window=window), ins, vmax, pv_quant=pv, window=window)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("softcap", [0.3, 5.0, 50.0])
+def test_softcap(monkeypatch, rng, isa, softcap):
+    """A small cap (scores squeezed into +-0.3: P nearly uniform) and large ones (capping only the
+    outliers; 50 is Gemma 2's value), decode and prefill, qk s8 and none."""
+    use_isa(monkeypatch, isa)
+    for qk in ("s8", "none"):
+        ins, vmax = _case(rng, [1, 77, 600], hq=4, hkv=2, d=128, b=16)
+        _assert_matches(_run(ins, softcap=softcap, qk_quant=qk), ins, vmax, softcap=softcap, qk_quant=qk)
+        ins, vmax = _case(rng, [9, 260], q_lens=[9, 40], hq=4, hkv=1, d=64, b=32)
+        _assert_matches(_run(ins, softcap=softcap, qk_quant=qk), ins, vmax, softcap=softcap, qk_quant=qk)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", list(SINKS))
+def test_head_sink(monkeypatch, rng, isa, kind):
+    """Sinks that take most of the mass (+6, +30: the outputs shrink by up to e^-30 and are
+    checked at their own scale), that take none (-30) and per-head mixed ones; decode over
+    several partitions (the sink joins the partition merge) and prefill (one key range)."""
+    use_isa(monkeypatch, isa)
+    for lens, q_lens in (([1, 19, 700], None), ([5, 100, 600], [5, 1, 70])):
+        ins, _ = _case(rng, lens, q_lens=q_lens, hq=8, hkv=2, d=64, b=16)
+        ins["head_sink"] = _sink(rng, 8, kind)
+        want = reference.paged_attention_int8(**ins)
+        # The output scale: with a large sink, |O| is far below max |V|; bound it at |O|'s own size.
+        vmax = float(np.abs(want).max())
+        for pv in ("s8", "u8", "none"):
+            _assert_matches(_run(ins, pv_quant=pv), ins, vmax, pv_quant=pv)
+
+
+def test_head_sink_float16_query(rng):
+    """float16 queries with a float32 head_sink (the sink input is float32 whatever the query)."""
+    ins, vmax = _case(rng, [9, 260], q_lens=[9, 4], hq=8, hkv=4, d=128, b=16, dtype=np.float16)
+    ins["head_sink"] = _sink(rng, 8, "mixed")
+    out = _run(ins, window=50, softcap=10.0)
+    assert out.dtype == np.float16
+    _assert_matches(out, ins, vmax, window=50, softcap=10.0)
+
+
+def test_head_sink_changes_only_the_denominator(rng):
+    """With one key visible (window 1) and a sink s, P = e^x / (e^x + e^s) for the key's score x:
+    the output is the single key's dequantized V times that P (pv none, qk none: no W codes).
+    Computed here from the cache in float64, not from the reference."""
+    ins, _ = _case(rng, [40, 97], hq=4, hkv=2, d=64, b=16)
+    ins["head_sink"] = np.array([-2.0, 0.0, 1.5, 4.0], np.float32)
+    got = _run(ins, window=1, qk_quant="none", pv_quant="none").astype(np.float64)
+    b = ins["key_cache"].shape[2]
+    for s, length in enumerate(ins["seq_lens"]):
+        pos = int(length) - 1
+        blk, off = ins["block_tables"][s, pos // b], pos % b
+        for h in range(4):
+            kv = h // 2
+            k = ins["key_cache"][blk, kv, off].astype(np.float64) * ins["key_scale"][blk, kv, off]
+            v = ins["value_cache"][blk, kv, :, off].astype(np.float64) * ins["value_scale"][blk, kv, off]
+            x = float(ins["query"][s, h].astype(np.float64) @ k) / 8.0  # scale 1/sqrt(64)
+            p = 1.0 / (1.0 + np.exp(float(ins["head_sink"][h]) - x))
+            np.testing.assert_allclose(got[s, h], p * v, rtol=1e-5, atol=1e-6 * np.abs(v).max())
+
+
+def _poison_before_window(ins, window, q_lens, how):
+    """Blocks wholly before the window of each sequence's first query: their block-table entries
+    set to -1 and INT32_MAX in turn ("table": a kernel following INT32_MAX reads gigabytes past
+    the cache and faults; the CPU op would refuse either id if it checked the entry), or the
+    blocks' K/V scales set to NaN and codes to -128 ("cache": a kernel that lets a masked score
+    or scale into its arithmetic gives NaN)."""
+    out = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in ins.items()}
+    b = ins["key_cache"].shape[2]
+    poisoned = 0
+    for s, length in enumerate(ins["seq_lens"]):
+        nq = 1 if q_lens is None else q_lens[s]
+        first = paged_attention_int8.first_visible(int(length), nq, window)
+        for j in range(first // b):
+            if how == "table":
+                out["block_tables"][s, j] = -1 if j % 2 else np.iinfo(np.int32).max
+            else:
+                blk = ins["block_tables"][s, j]
+                out["key_scale"][blk] = np.nan
+                out["value_scale"][blk] = np.nan
+                out["key_cache"][blk] = -128
+                out["value_cache"][blk] = -128
+            poisoned += 1
+    assert poisoned > 0
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("how", ["table", "cache"])
+@pytest.mark.parametrize("b", [8, 16, 64])
+def test_window_reads_nothing_before_it(monkeypatch, rng, isa, how, b):
+    """DESIGN.md: block-table entries of blocks wholly before the window, and those blocks, are
+    never read. Poisoned, the output equals the reference on the clean inputs (the reference
+    reads neither), in decode (window 70: partitions of 32 start mid-context) and prefill (the
+    window of the first query row of each chunk)."""
+    use_isa(monkeypatch, isa)
+    for q_lens, window in ((None, 70), ([2, 1, 40], 45)):
+        ins, vmax = _case(rng, [150, 300, 701], q_lens=q_lens, hq=4, hkv=2, d=64, b=b)
+        bad = _poison_before_window(ins, window, q_lens, how)
+        for pv in ("s8", "none"):
+            got = _run(bad, pv_quant=pv, window=window, partition_size=32)
+            _assert_matches(got, ins, vmax, pv_quant=pv, window=window)
+        if how == "table":  # the reference reads nothing before the window either
+            np.testing.assert_array_equal(reference.paged_attention_int8(**bad, window=window),
+                                          reference.paged_attention_int8(**ins, window=window))
+
+
+def _dequantized(ins):
+    """float64 K, V [sum L, Hkv, D] and cu_seqlens_k of the cached context (what the INT8 cache holds)."""
+    b = ins["key_cache"].shape[2]
+    ks, vs = [], []
+    for s, length in enumerate(ins["seq_lens"]):
+        pos = np.arange(int(length))
+        blk, off = ins["block_tables"][s, pos // b].astype(np.int64), pos % b
+        ks.append(ins["key_cache"][blk, :, off, :].astype(np.float64) * ins["key_scale"][blk, :, off][..., None])
+        vs.append(ins["value_cache"][blk, :, :, off].astype(np.float64) * ins["value_scale"][blk, :, off][..., None])
+    return np.concatenate(ks), np.concatenate(vs), np.concatenate([[0], np.cumsum(ins["seq_lens"])])
+
+
+@pytest.mark.parametrize("attrs", [{"window": 37}, {"softcap": 1.5}, {"window": 200, "softcap": 20.0}],
+                         ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()))
+@pytest.mark.parametrize("sink", [False, True])
+def test_float_path_vs_fp64(rng, attrs, sink):
+    """qk none, pv none (no quantization of Q or W) against float64 attention on the dequantized
+    cache: an independent spec of window, softcap and sink (ort_ops.reference.exact_attention).
+    Same bound as the float-path tolerance: 1e-5 of max |V|."""
+    for q_lens in (None, [3, 1, 60]):
+        ins, _ = _case(rng, [3, 250, 700], q_lens=q_lens, hq=4, hkv=2, d=64, b=16)
+        if sink:
+            ins["head_sink"] = _sink(rng, 4, "mixed")
+        got = _run(ins, qk_quant="none", pv_quant="none", **attrs)
+        k, v, cuk = _dequantized(ins)
+        want = reference.exact_attention(ins["query"], k, v, cuk, ins.get("cu_seqlens_q"),
+                                         head_sink=ins.get("head_sink"), **attrs)
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol.ATTN_FLOAT_ATOL_REL_VMAX * np.abs(v).max())
+
+
+def test_error_budget_vs_fp64_window_softcap_sink(rng):
+    """The INT8 P.V budget (RMS error over the pv none twin, tests/tolerances.py) with a 1000-key
+    window of 4096 keys, softcap 30 and per-head sinks, against fp64 attention on the unquantized
+    K/V."""
+    length, hq, hkv, d = 4096, 32, 1, 128
+    k = rng.standard_normal((length, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((length, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((1, hq, d)).astype(np.float32)
+    sink = (rng.standard_normal(hq) * 2.0).astype(np.float32)
+    cache = build_paged_cache(k, v, [0, length], 32, rng)
+    ins = {"query": q, **{n: cache[n] for n in CACHE}, "head_sink": sink}
+    attrs = {"window": 1000, "softcap": 30.0}
+    exact = reference.exact_attention(q, k, v, [0, length], head_sink=sink, **attrs)
+    rms = {}
+    for pv in ("none", "s8", "u8"):
+        err = _run(ins, pv_quant=pv, **attrs).astype(np.float64) - exact
+        rms[pv] = float(np.sqrt(np.mean(err ** 2)))
+    print(f"window/softcap/sink rms {rms}")
+    assert rms["s8"] <= tol.ATTN_RMS_RATIO_S8_VS_NONE * rms["none"], rms
+    assert rms["u8"] <= tol.ATTN_RMS_RATIO_U8_VS_NONE * rms["none"], rms
+
+
+@pytest.mark.parametrize("attrs,expected", [
+    ({"window": -1}, r"attribute 'window' must be >= 0 \(0: no window\), got -1"),
+    ({"softcap": -1.0}, r"attribute 'softcap' must be finite and >= 0 \(0: off\), got -1"),
+    ({"softcap": float("nan")}, r"attribute 'softcap' must be finite and >= 0 \(0: off\), got nan"),
+    ({"softcap": float("inf")}, r"attribute 'softcap' must be finite and >= 0 \(0: off\), got inf"),
+])
+def test_bad_window_softcap(rng, attrs, expected):
+    ins = _small(rng)
+    _raises(ins, f"{OP}: " + expected, **attrs)
+    with pytest.raises(ValueError, match=f"{OP}: attribute '{next(iter(attrs))}' must be"):
+        reference.paged_attention_int8(**ins, **attrs)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_head_sink(rng, bad):
+    ins = _small(rng)
+    ins["head_sink"] = np.zeros(4, np.float32)
+    ins["head_sink"][2] = bad
+    _raises(ins, rf"{OP}: input 'head_sink' must be finite, got -?(nan|inf) at head 2")
+    with pytest.raises(ValueError, match=rf"{OP}: input 'head_sink' must be finite"):
+        reference.paged_attention_int8(**ins)
+
+
+def test_head_sink_shape_and_dtype(rng):
+    ins = _small(rng)
+    for shape in ((2,), (4, 1), (5,)):
+        bad = dict(ins, head_sink=np.zeros(shape, np.float32))
+        _raises(bad, rf"{OP}: input 'head_sink' must have shape \[4\], got \[{', '.join(map(str, shape))}\]")
+        with pytest.raises(ValueError, match=rf"{OP}: input 'head_sink' must have shape \[4\]"):
+            reference.paged_attention_int8(**bad)
+    # A fixed-dtype input: ORT refuses the model at session creation, naming the input and the op.
+    bad = dict(ins, head_sink=np.zeros(4, np.float16))
+    _raises(bad, rf"\(head_sink\) of operator \({OP}\)")
+    with pytest.raises(ValueError, match=rf"{OP}: input 'head_sink' must be float32, got float16"):
+        reference.paged_attention_int8(**bad)

@@ -4,13 +4,14 @@ valid inputs: every head dim, block sizes 8..256, GQA ratios 1..8, 1 to 4 sequen
 cached tokens (partial blocks and 32-key groups, contexts on partition boundaries), decode (no
 cu_seqlens_q) and prefill with history (sequences without queries, whose table rows may then
 hold anything, whole prompts, one-token steps),
-qk/pv quantization modes, partition sizes, softmax scales, float32/float16 queries, K/V and query
-magnitudes from tiny to large, every ISA variant.
+qk/pv quantization modes, partition sizes, softmax scales, sliding windows (1 key to more than
+the context), logit softcaps, per-head sinks, float32/float16 queries, K/V and query magnitudes
+from tiny to large, every ISA variant.
 Outputs are held to tests/ops/test_paged_attention_int8.py's bound (float rounding plus at most a
 few W codes moved at rounding ties, tests/tolerances.py).
 
 Invalid inputs (block ids out of range, seq_lens beyond the table or below the query count,
-non-monotone or short cu_seqlens_q, NaN/Inf queries, disagreeing shapes, ranks, dtypes,
+non-monotone or short cu_seqlens_q, NaN/Inf queries or sinks, disagreeing shapes, ranks, dtypes,
 unsupported head dims and block sizes, GQA ratios that do not divide, misaligned buffers, bad
 attributes) are refused naming the op and the input, every input buffer unchanged."""
 
@@ -98,6 +99,15 @@ def valid_inputs(draw):
              "partition_size": draw(st.sampled_from([32, 64, 96, 256, 512]))}
     if draw(st.booleans()):
         attrs["scale"] = draw(st.sampled_from([0.0, -0.125, 1e-3, 0.5] + ([4.0] if qk == "s8" else [])))
+    if draw(st.booleans()):
+        attrs["window"] = draw(st.one_of(st.integers(1, 40), st.integers(1, 1100), st.sampled_from([1, 32, 33, 256])))
+    if draw(st.booleans()):
+        attrs["softcap"] = draw(st.sampled_from([0.25, 1.0, 5.0, 50.0]))
+    if draw(st.booleans()):
+        # Sinks far above the scores shrink every W by the same factor: kept to +30 so W stays
+        # far above the code factor's saturation (V scales down to 1e-20, DESIGN.md).
+        spread = draw(st.sampled_from([0.5, 3.0, 30.0]))
+        ins["head_sink"] = (rng.uniform(-1.0, 1.0, ins["query"].shape[1]) * spread).astype(np.float32)
     query_free = k_exp == -30 or attrs.get("scale") == 0.0  # scores (about) independent of the query
     return ins, vmax, attrs, draw(S.isas()), query_free
 
@@ -106,6 +116,9 @@ def valid_inputs(draw):
 def test_matches_reference(case):
     ins, vmax, attrs, isa, query_free = case
     (got,) = h.run(SCHEMA, ins, attrs, isa=isa)
+    if "head_sink" in ins:  # a sink shrinks the outputs: hold them to their own scale, not max |V|
+        want = reference.paged_attention_int8(**ins, **attrs)
+        vmax = min(vmax, float(np.abs(want.astype(np.float64)).max(initial=0.0)))
     # Heads of a kv group that see the same scores share W codes, so a rounding tie moves them
     # together: moved rows are counted per group. Where the scores do not depend on the query at
     # all, every row that sees a tied group moves with it: only the per-element bound applies.
@@ -116,7 +129,7 @@ def test_matches_reference(case):
 INVALID = ("block_high", "block_negative", "seq_len_past_table", "seq_len_negative", "seq_len_below_queries",
            "cu_not_monotone", "cu_wrong_end", "cu_shape", "cu_empty_sequence", "decode_t_ne_s", "nonfinite_query", "query_rank",
            "head_dim", "block_size", "gqa", "value_cache_shape", "scale_shape", "seq_lens_shape", "query_dtype",
-           "table_dtype", "cu_dtype", "misaligned", "attr")
+           "table_dtype", "cu_dtype", "misaligned", "attr", "sink_nonfinite", "sink_shape", "sink_dtype")
 
 
 @st.composite
@@ -171,7 +184,7 @@ def invalid_inputs(draw):
         ins["query"] = ins["query"].reshape(ins["query"].shape[0], hq * d)
     elif kind == "head_dim":
         bad = ["head_dim must", "query"]  # the head dim is dim 2 of 'query'; the message calls it head_dim
-        d2 = draw(st.sampled_from([16, 32, 48, 72, 100, 512]))
+        d2 = draw(st.sampled_from([16, 48, 72, 100, 512]))  # 32, 64, 80, 96, 128, 256 are supported
         t = ins["query"].shape[0]
         ins["query"] = np.zeros((t, hq, d2), ins["query"].dtype)
         kn = ins["key_cache"].shape
@@ -212,6 +225,16 @@ def invalid_inputs(draw):
         ins[bad] = S.misaligned(ins[bad])
     elif kind == "table_dtype":
         ins["block_tables"] = bt.astype(np.int64)
+    elif kind == "sink_nonfinite":
+        bad = "head_sink"
+        ins["head_sink"] = np.zeros(hq, np.float32)
+        ins["head_sink"][draw(st.integers(0, hq - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    elif kind == "sink_shape":
+        bad = "head_sink"
+        ins["head_sink"] = np.zeros(draw(st.sampled_from([(hq + 1,), (hq, 1), (1,) if hq > 1 else (2,)])), np.float32)
+    elif kind == "sink_dtype":
+        bad = "head_sink"
+        ins["head_sink"] = np.zeros(hq, draw(st.sampled_from([np.float16, np.float64])))
     elif kind == "cu_dtype" and q_lens is not None:
         bad = "cu_seqlens_q"
         ins["cu_seqlens_q"] = ins["cu_seqlens_q"].astype(np.int64)
@@ -219,7 +242,9 @@ def invalid_inputs(draw):
         bad, value = draw(st.sampled_from([("qk_quant", "u8"), ("qk_quant", "int8"), ("pv_quant", "fp8"),
                                            ("pv_quant", ""), ("partition_size", 0), ("partition_size", 48),
                                            ("partition_size", -256), ("scale", float("inf")),
-                                           ("scale", float("nan"))]))
+                                           ("scale", float("nan")), ("window", -1), ("window", -2**40),
+                                           ("softcap", -0.5), ("softcap", float("nan")),
+                                           ("softcap", float("inf"))]))
         attrs[bad] = value
     return ins, attrs, bad, draw(S.isas()), kind != "misaligned"
 

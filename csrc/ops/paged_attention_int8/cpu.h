@@ -35,6 +35,8 @@ struct Params {
   int64_t padded_dim;  // head_dim rounded up to 32: query rows are zero padded to it
   int64_t num_q_heads, group;  // group = Hq / Hkv
   float scale;
+  int64_t window;  // > 0: row at position p sees keys p - window < k <= p (DESIGN.md); 0: none
+  float softcap;   // > 0: s = softcap * tanh(s / softcap) after the scale; 0: off
   bool qk_s8;
   PvMode pv;
   // Prepared query rows, row (token t, q head h) at t * Hq + h, each padded_dim long.
@@ -52,7 +54,10 @@ struct Task {
   int64_t seq, kv_head;
   int64_t q_row0, n_q;  // query tokens q_row0 .. q_row0 + n_q - 1 (rows of T)
   int64_t first_pos;    // position of token q_row0 in its sequence
-  int64_t key_begin, key_end;  // key positions of this task; key_begin a multiple of 32
+  // Key positions of this task; key_begin a multiple of 32. With a window, key_begin is at most
+  // 31 positions before the first row's window start, and positions before that start (which
+  // may lie in blocks wholly before the window) are not read.
+  int64_t key_begin, key_end;
   int64_t split;        // index of this key range among the token's ranges
 };
 

@@ -7,17 +7,21 @@
 // the keys [key_begin, key_end). Key tiles of up to kTile positions, aligned to absolute
 // position 0 (so a 32-position W group never straddles tiles), each:
 //   1. token pointers: key row, key/value scale of each position (through block_tables);
+//      positions before the first row's window start get a zero K row and zero scales instead
+//      (their blocks may lie wholly before the window, whose block-table entries are not read);
 //   2. scores s = (Qq . Kq) * sQ * sK * scale (int32 dots), or (q . Kq) * sK * scale for qk none;
+//      with a softcap, s = softcap * tanh(s / softcap) (DESIGN.md's float order);
 //   3. online softmax: m' = max(m, tile max); O *= exp(m - m'), l = l * exp(m - m') + sum e;
-//      e_t = exp(s_t - m') for the keys a row sees (causal), 0 beyond;
+//      e_t = exp(s_t - m') for the keys a row sees (causal and window), 0 elsewhere;
 //   4. W_t = e_t * sV_t; per group: codes = min(rint(W * (L / max W)), L), then the int32 sums
 //      sum_t code_t * Vq_t[d] over one 32-token V slice per output dim, and
 //      O[d] += (max W / L) * isum[d]. (pv none: O[d] += sum_t W_t * Vq_t[d] in float.)
 // The task stores (O, m, l) of each row; op.cc merges key ranges by log-sum-exp and divides by
-// l. Codes of a group do not change when its W share a factor (up to rounding), so this equals
+// l (adding the head's sink there). Codes of a group do not change when its W share a factor (up to rounding), so this equals
 // the reference's normalized-P semantics up to float rounding.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -37,6 +41,9 @@ inline void prefetch_range(const int8_t* p, int64_t bytes) {
 inline void fill0(float* p, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = 0.0f;
 }
+// Stands in for K rows before the window start: the Q.K primitives read up to the padded head
+// dim (<= 256) from every row pointer.
+alignas(64) constexpr int8_t kZeroKeyRow[256] = {};
 
 template <class Kern>
 void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
@@ -74,6 +81,9 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
   uint8_t* codes = sc.codes;
   int8_t* vgather = sc.vgather;
 
+  // First key position any row reads: the first row's window start (rows are in position order).
+  const int64_t read_begin =
+      p.window > 0 ? std::max(task.key_begin, task.first_pos - p.window + 1) : task.key_begin;
   const int32_t* table = p.block_tables + task.seq * p.max_blocks;
   // (block, kv head) row index and in-block offset of key position pos.
   auto cache_bh = [&](int64_t pos) { return int64_t{table[pos >> p.log2_block]} * Hkv + task.kv_head; };
@@ -88,6 +98,16 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
     // asking for the whole tile (<= 64 KB) up front keeps many misses in flight while the
     // Q.K arithmetic runs.
     for (int64_t i = 0; i < n;) {
+      if (t0 + i < read_begin) {  // before every row's window: masked below, never read
+        const int64_t run = imin(read_begin - t0 - i, n - i);
+        for (int64_t j = 0; j < run; ++j) {
+          kptr[i + j] = kZeroKeyRow;
+          sk[i + j] = 0.0f;
+          sv[i + j] = 0.0f;
+        }
+        i += run;
+        continue;
+      }
       const int64_t off = (t0 + i) & (B - 1);
       const int64_t run = imin(B - off, n - i);
       const int64_t bh = cache_bh(t0 + i);
@@ -121,22 +141,30 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
         for (int64_t i = 0; i < n; ++i) s[i] = (s[i] * sk[i]) * p.scale;
       }
     }
-    // 3. online softmax and 4a. W = e * sV (zero past each row's last visible key).
+    if (p.softcap > 0.0f) {
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = score + r * kTile;
+        for (int64_t i = 0; i < n; ++i) s[i] = p.softcap * std::tanh(s[i] / p.softcap);
+      }
+    }
+    // 3. online softmax and 4a. W = e * sV (zero outside each row's visible keys lo .. nv - 1).
     for (int64_t r = 0; r < R; ++r) {
       float* wr = w + r * kTile;
-      const int64_t nv = imin(n, last_pos[r] - t0 + 1);  // keys this row sees in the tile
-      if (nv <= 0) {
+      const int64_t nv = imin(n, last_pos[r] - t0 + 1);  // keys this row sees in the tile end here
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, last_pos[r] - p.window + 1 - t0) : 0;
+      if (nv <= lo) {
         fill0(wr, n_pad);
         continue;
       }
-      float* s = score + r * kTile;
-      const float m_new = fmax2(m[r], Kern::row_max(s, nv));
+      float* s = score + r * kTile + lo;
+      const float m_new = fmax2(m[r], Kern::row_max(s, nv - lo));
       const float alpha = m[r] == neg_inf ? 0.0f : expf(m[r] - m_new);
-      const float sum = Kern::exp_sub(s, nv, m_new);
+      const float sum = Kern::exp_sub(s, nv - lo, m_new);
       if (alpha != 1.0f) Kern::scale(out + r * D, D, alpha);
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
-      Kern::mul(s, sv, wr, nv);
+      fill0(wr, lo);
+      Kern::mul(s, sv + lo, wr + lo, nv - lo);
       fill0(wr + nv, n_pad - nv);
     }
     // 4b. P.V per 32-position group.
@@ -152,9 +180,9 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
         stride = B;
       } else {
         // Blocks of 8 or 16 tokens: gather the group's slices; positions past the tile end
-        // (whose blocks may not exist) are zeros.
+        // (whose blocks may not exist) and blocks wholly before the window are zeros.
         for (int64_t sub = 0; sub < kGroup; sub += B) {
-          if (g0 + sub >= n) {
+          if (g0 + sub >= n || t0 + g0 + sub + B <= read_begin) {
             for (int64_t d = 0; d < D; ++d) std::memset(vgather + d * kGroup + sub, 0, B);
             continue;
           }

@@ -8,8 +8,9 @@
 // - Validation first, all of it: shapes, dtypes, Hq % Hkv (validate.cc, shared with the CUDA
 //   op); the CPU kernels' limits (head_dim in {32, 64, 80, 96, 128, 256}, block size a power of two
 //   8..256); the table values: seq_lens within the block table, every block id a query can
-//   reach within 0..N-1, cu_seqlens_q rising from 0 to T with q_len <= seq_len. After this no
-//   task can read outside the buffers.
+//   reach within 0..N-1 (not those of blocks wholly before the window: never read), cu_seqlens_q
+//   rising from 0 to T with q_len <= seq_len, a finite head_sink. After this no task can read
+//   outside the buffers.
 // - Query prep (parallel over T * Hq rows): qk s8 quantizes each (token, q head) row with the
 //   contract's rule into zero-padded codes + one scale; qk none keeps float32. Non-finite
 //   queries fail the Run.
@@ -18,12 +19,14 @@
 //   every K row and V slice it reads (GQA). A chunk of one query (decode, or the tail of a
 //   prefill) splits its keys into partition_size ranges, one task each (parallelism for long
 //   contexts at batch 1); a chunk of several queries (prefill, up to kMaxRows rows) walks all
-//   its visible keys in one task with an online softmax over 256-position tiles, causal.
+//   its visible keys in one task with an online softmax over 256-position tiles, causal. With a
+//   window both start at the (32-aligned) window start of their first query, so partitions and
+//   tiles wholly before the window are never planned.
 //   K/V scales live in the cache (per token, per kv head); query scales in the prep buffer; W
 //   group scales only in the task's registers/stack.
 // - Each task writes (O unnormalized, m, l) per row into its own partial slot; the merge
-//   (parallel over tokens) combines a token's key ranges by log-sum-exp, divides by l and
-//   writes the output dtype.
+//   (parallel over tokens) combines a token's key ranges by log-sum-exp, adds the head's sink
+//   to the denominator, divides by it and writes the output dtype.
 #include "ops/paged_attention_int8/op.h"
 
 #include <algorithm>
@@ -143,13 +146,19 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
                      "seq_lens[", s, "] = ", len, " < ", cu_q[s + 1] - cu_q[s], " queries");
       if (cu_q[s + 1] == cu_q[s]) continue;  // no query reads this sequence's blocks
       const int64_t used = (len + B - 1) / B;
-      for (int64_t b = 0; b < used; ++b) {
+      const int64_t first = pa::first_visible(len, cu_q[s + 1] - cu_q[s], attrs_.window) / B;
+      for (int64_t b = first; b < used; ++b) {
         const int64_t blk = tables[s * M + b];
         if (blk < 0 || blk >= N)
           fail_invalid(kOp, "input 'block_tables' must hold block ids in 0..", N - 1, ", got "
                        "block_tables[", s, ", ", b, "] = ", blk);
       }
     }
+
+    const float* sink = in.head_sink.present ? in.head_sink.ptr<float>() : nullptr;
+    for (int64_t h = 0; sink && h < Hq; ++h)
+      if (!std::isfinite(sink[h]))
+        fail_invalid(kOp, "input 'head_sink' must be finite, got ", sink[h], " at head ", h);
 
     void* out_raw = make_output_raw(ctx, 0, q.shape);
     if (T == 0 || Hq == 0) return;
@@ -195,23 +204,28 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
         const int64_t n = std::min(max_q, nq - c);
         const int64_t row0 = cu_q[s] + c, pos0 = first + c;
         const int64_t visible = pos0 + n;  // keys 0 .. visible - 1 for the chunk's last query
+        // The chunk's first query sees nothing before its window start; begin at its W group.
+        const int64_t begin =
+            pa::first_visible(pos0 + 1, 1, attrs_.window) / pa::kGroup * pa::kGroup;
         if (n == 1) {
-          const int64_t parts = (visible + attrs_.partition_size - 1) / attrs_.partition_size;
+          const int64_t P = attrs_.partition_size;
+          const int64_t first_part = begin / P, parts = (visible + P - 1) / P - first_part;
           part_offset[row0] = slots;
           part_count[row0] = parts;
           slots += parts;
           // Partition-major: consecutive tasks read the kv heads of the same cache blocks, which
           // lie next to each other ([N, Hkv, B, D]), so each thread streams whole blocks.
-          for (int64_t ps = 0; ps < parts; ++ps)
-            for (int64_t h = 0; h < Hkv; ++h)
-              tasks.push_back({s, h, row0, 1, pos0, ps * attrs_.partition_size,
-                               std::min(visible, (ps + 1) * attrs_.partition_size), ps});
+          for (int64_t ps = 0; ps < parts; ++ps) {
+            const int64_t kb = std::max(begin, (first_part + ps) * P);
+            const int64_t ke = std::min(visible, (first_part + ps + 1) * P);
+            for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({s, h, row0, 1, pos0, kb, ke, ps});
+          }
         } else {
           for (int64_t j = 0; j < n; ++j) {
             part_offset[row0 + j] = slots++;
             part_count[row0 + j] = 1;
           }
-          for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({s, h, row0, n, pos0, 0, visible, 0});
+          for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({s, h, row0, n, pos0, begin, visible, 0});
         }
       }
     }
@@ -233,6 +247,8 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
     p.num_q_heads = Hq;
     p.group = G;
     p.scale = attrs_.softmax_scale(D);
+    p.window = attrs_.window;
+    p.softcap = attrs_.softcap;
     p.qk_s8 = attrs_.qk_s8;
     p.pv = pv_;
     p.q_codes = q_codes.data();
@@ -247,7 +263,8 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
       task_(p, task, task_scratch(task.n_q * G, D));
     });
 
-    // Merge each token's key ranges by log-sum-exp: O = sum_p e^(m_p - M) O_p / sum_p e^(m_p - M) l_p.
+    // Merge each token's key ranges by log-sum-exp: O = sum_p e^(m_p - M) O_p / den with
+    // den = sum_p e^(m_p - M) l_p (+ e^(sink_h - M), and M = max(sink_h, max_p m_p), with a sink).
     parallel_for(ctx, static_cast<size_t>(T), [&](size_t ti) {
       const int64_t t = static_cast<int64_t>(ti);
       std::vector<float> acc(D);
@@ -256,11 +273,12 @@ class PagedAttentionInt8Cpu final : public KernelImpl {
         const int64_t parts = part_count[t];
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t ps = 0; ps < parts; ++ps) mx = std::max(mx, part_m[base + ps * Hq]);
+        if (sink) mx = std::max(mx, sink[h]);
         std::fill(acc.begin(), acc.end(), 0.0f);
-        float den = 0.0f;
+        float den = sink ? std::exp(sink[h] - mx) : 0.0f;
         for (int64_t ps = 0; ps < parts; ++ps) {
           const int64_t slot = base + ps * Hq;
-          const float f = parts == 1 ? 1.0f : std::exp(part_m[slot] - mx);
+          const float f = parts == 1 && !sink ? 1.0f : std::exp(part_m[slot] - mx);
           den += f * part_l[slot];
           const float* o = part_o.data() + slot * D;
           for (int64_t d = 0; d < D; ++d) acc[d] += f * o[d];

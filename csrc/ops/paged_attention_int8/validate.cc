@@ -34,12 +34,19 @@ Attrs parse_attrs(const OrtKernelInfo* info, const DeviceChecks& device) {
     if (!std::isfinite(a.scale))
       fail_invalid(kOp, "attribute 'scale' must be finite, got ", a.scale);
   }
+  a.window = attr_int(info, "window", 0);
+  if (a.window < 0)
+    fail_invalid(kOp, "attribute 'window' must be >= 0 (0: no window), got ", a.window);
+  a.softcap = attr_float(info, "softcap", 0.0f);
+  if (!std::isfinite(a.softcap) || a.softcap < 0.0f)
+    fail_invalid(kOp, "attribute 'softcap' must be finite and >= 0 (0: off), got ", a.softcap);
   return a;
 }
 
 Inputs read_inputs(const Ort::KernelContext& ctx) {
   return Inputs{read_input(ctx, 0), read_input(ctx, 1), read_input(ctx, 2), read_input(ctx, 3),
-                read_input(ctx, 4), read_input(ctx, 5), read_input(ctx, 6), read_input(ctx, 7)};
+                read_input(ctx, 4), read_input(ctx, 5), read_input(ctx, 6), read_input(ctx, 7),
+                read_input(ctx, 8)};
 }
 
 Dims validate_inputs(const Inputs& in, const DeviceChecks& device) {
@@ -73,6 +80,10 @@ Dims validate_inputs(const Inputs& in, const DeviceChecks& device) {
     fail_invalid(kOp, "input 'query' must have T == S == ", S,
                  " rows in decode (no 'cu_seqlens_q'), got T = ", T);
   }
+  if (in.head_sink.present) {
+    require_dtype(kOp, "head_sink", in.head_sink, {F32});
+    require_shape(kOp, "head_sink", in.head_sink, {Hq});
+  }
   return Dims{T, Hq, D, N, Hkv, B, S, M};
 }
 
@@ -83,7 +94,7 @@ const OpSignature& signature() {
   constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
   constexpr auto I32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  static const OpSignature sig{kOp, {{ANY}, {I8}, {I8}, {F32}, {F32}, {I32}, {I32}, {I32, true}}, {{ANY}}};
+  static const OpSignature sig{kOp, {{ANY}, {I8}, {I8}, {F32}, {F32}, {I32}, {I32}, {I32, true}, {F32, true}}, {{ANY}}};
   return sig;
 }
 

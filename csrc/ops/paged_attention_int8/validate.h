@@ -25,16 +25,26 @@ struct Attrs {
   int64_t partition_size = 256;  // a positive multiple of 32 (the W scale group)
   bool has_scale = false;
   float scale = 0.0f;  // finite when has_scale
+  int64_t window = 0;    // > 0: a query at p sees keys p - window < k <= p; 0: no window
+  float softcap = 0.0f;  // > 0: s = softcap * tanh(s / softcap) after the scale; 0: off
 
   // The softmax scale: the attribute, else 1 / sqrt(D).
   float softmax_scale(int64_t D) const;
 };
 
-// The inputs in schema order; cu_seqlens_q may be absent (decode).
+// The inputs in schema order; cu_seqlens_q may be absent (decode), head_sink too (no sink).
 struct Inputs {
   InputView query, key_cache, value_cache, key_scale, value_scale, block_tables, seq_lens,
-      cu_seqlens_q;
+      cu_seqlens_q, head_sink;
 };
+
+// The first key position any query of a sequence with seq_len keys and q_len query rows sees:
+// that of its first query row (position seq_len - q_len); 0 without a window. Blocks wholly
+// before it are never read (DESIGN.md).
+inline int64_t first_visible(int64_t seq_len, int64_t q_len, int64_t window) {
+  const int64_t f = seq_len - q_len - window + 1;
+  return window > 0 && f > 0 ? f : 0;
+}
 
 struct Dims {
   int64_t T, Hq, D, N, Hkv, B, S, M;
@@ -54,7 +64,8 @@ Attrs parse_attrs(const OrtKernelInfo* info, const DeviceChecks& device);
 
 Inputs read_inputs(const Ort::KernelContext& ctx);
 
-// Checks every input's dtype, rank and shape, and T == S without cu_seqlens_q; returns the dims.
+// Checks every input's dtype, rank and shape (head_sink: float32 [Hq]), and T == S without
+// cu_seqlens_q; returns the dims.
 Dims validate_inputs(const Inputs& in, const DeviceChecks& device);
 
 // Inputs and outputs of the op, registered for every execution provider (register.cc).
