@@ -323,3 +323,61 @@ def test_rewritten_variant_matches_the_original_under_the_contract(name):
         assert np.all(np.isfinite(row))
         err = np.abs(want - row).max()
         assert err <= ATTN_REWRITE_EMULATED_LOGITS_ATOL, (name, len(p), err)
+
+
+# --- on the native CPU kernels and the paged runtime -----------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_variant_equals_emulated_kv_quantization_on_the_kernels(name):
+    """With Q.K and P.V unquantized, the rewritten model on the CPU kernels and the paged runtime
+    equals the original with its K/V INT8 emulated, prefill and 12 decode steps, 3 prompts at once,
+    contexts up to 53 positions: the windowed layers drop the first blocks, the global layers of
+    Gemma 2 and gpt-oss still read them (the runtime keeps every block of a live sequence)."""
+    from graphs.attention import emulate_kv_int8
+    from ort_ops.runtime import generate
+    from ort_ops.verify import make_prompts
+    from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL
+
+    model, _ = rewrite_model(_path(name), moe=False, qk_quant="none", pv_quant="none")
+    data = ir.serde.serialize_model(model).SerializeToString()
+    prompts = make_prompts(128, lengths=(20, 30, 41), seed=9)
+    assert max(map(len, prompts)) + 12 > 2 * WINDOW
+    a = generate(emulate_kv_int8(onnx.load(_path(name))), prompts, max_new_tokens=12, return_logits=True)
+    b = generate(data, prompts, max_new_tokens=12, return_logits=True)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+        assert np.all(np.isfinite(y.logits))
+        err = np.abs(x.logits - y.logits)
+        assert err.max() <= ATTN_REWRITE_EMULATED_LOGITS_ATOL, (err.max(), np.unravel_index(err.argmax(), err.shape))
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_variant_verify_agreement_beyond_the_window(name):
+    """``ort-ops verify``'s check, s8/s8: 4 prompts of 5-23 tokens, 32 greedy tokens (contexts up
+    to 55 > the window of 24), teacher-forced agreement >= 0.95, lengths and EOS matching."""
+    from ort_ops.verify import verify
+    from tests.tolerances import ATTN_REWRITE_GREEDY_AGREEMENT, ATTN_REWRITE_LOGITS_ATOL
+
+    data, _ = _rewritten(name)
+    report = verify(_path(name), data, max_new_tokens=32, eos_token_id=None)
+    o = report["overall"]
+    print(name, o)
+    longest = max(p["prompt_len"] + len(p["tokens_original"]) for p in report["prompts"])
+    assert report["rewritten_interface"] == "paged"
+    assert longest > 2 * WINDOW
+    assert o["token_agreement"] >= ATTN_REWRITE_GREEDY_AGREEMENT
+    assert o["length_match"] and o["eos_match"]
+    assert o["logits_max_abs_err"] <= ATTN_REWRITE_LOGITS_ATOL
+
+
+def test_cli_report_lists_each_layer(tmp_path, capsys):
+    """``ort-ops rewrite`` prints every fused layer with its window and sinks (gpt-oss: layer 0
+    sliding, layer 1 global, both with the sinks -1 and 2)."""
+    from ort_ops.cli import main
+
+    assert main(["rewrite", "--quiet", "--no-moe", _path("gptoss_sinks_kv"), str(tmp_path / "out.onnx")]) == 0
+    text = capsys.readouterr().out
+    assert "attention: 2 block(s) fused (matmul: 2), interface: paged" in text
+    assert "    layer 0: window 24, head_sink [-1, 2]\n" in text
+    assert "    layer 1: no window, head_sink [-1, 2]\n" in text
