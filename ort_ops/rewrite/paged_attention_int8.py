@@ -332,7 +332,9 @@ def _sink_per_head(ctx: _Ctx, sink: ir.Value, hq: int) -> np.ndarray:
     per_head = np.broadcast_to(np.asarray(arr, np.float32).reshape(-1), (hq,)).copy()
     if not np.all(np.isfinite(per_head)):
         raise MatchFailureError("sinks constant has non-finite values")
-    probed = ctx.probes.get(sink.name)
+    probed = g.const_array(sink) if g.const_array(sink) is not None else ctx.probes.get(sink.name)
+    if probed is not None and probed.ndim < 4:
+        probed = probed.reshape((1,) * (4 - probed.ndim) + probed.shape)
     if probed is None or probed.ndim != 4 or probed.shape[1] != hq or probed.shape[3] != 1 or \
             not np.array_equal(probed.astype(np.float32), np.broadcast_to(per_head.reshape(1, hq, 1, 1), probed.shape)):
         raise MatchFailureError("the probe run does not show the sinks as one constant per query head on "
@@ -706,6 +708,8 @@ def _fuse_gqa(ctx: _Ctx) -> int:
         outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
         ctx.cache_out[layer] = outs
         ctx.layer_dims[layer] = (hkv, d)
+        # GroupQueryAttention with a window, softcap or sink is declined in _decode_gqa
+        ctx.fused_attrs.append({"layer": layer, "window": 0, "softcap": 0.0, "head_sink": None})
         attrs = {"qk_quant": ctx.options.qk_quant, "pv_quant": ctx.options.pv_quant}
         if not math.isclose(scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
             attrs["scale"] = float(scale)
