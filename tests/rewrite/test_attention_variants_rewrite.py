@@ -32,6 +32,8 @@ LAYERS = 2
 # graphs/export_attention_variants.py: WINDOW, the Gemma 2 softcap and scale, the gpt-oss sinks
 WINDOW = 24
 SINKS = [-1.0, 2.0]
+VOCAB = 128
+MOE = {"gptoss_sinks_kv"}  # its experts stay float here (moe=False): another helper's rewrite
 # fixture -> per layer (window, softcap, head_sink), and the scale attribute when not 1/sqrt(D)
 EXPECTED = {
     "mistral_window_kv": ([(WINDOW, 0.0, None), (WINDOW, 0.0, None)], None),
@@ -356,11 +358,12 @@ def test_variant_equals_emulated_kv_quantization_on_the_kernels(name):
 def test_variant_verify_agreement_beyond_the_window(name):
     """``ort-ops verify``'s check, s8/s8: 4 prompts of 5-23 tokens, 32 greedy tokens (contexts up
     to 55 > the window of 24), teacher-forced agreement >= 0.95, lengths and EOS matching."""
-    from ort_ops.verify import verify
+    from ort_ops.verify import make_prompts, verify
     from tests.tolerances import ATTN_REWRITE_GREEDY_AGREEMENT, ATTN_REWRITE_LOGITS_ATOL
 
     data, _ = _rewritten(name)
-    report = verify(_path(name), data, max_new_tokens=32, eos_token_id=None)
+    prompts = make_prompts(VOCAB, avoid=(2,))  # verify's default prompts (EOS 2 from the metadata)
+    report = verify(_path(name), data, prompts=prompts, max_new_tokens=32, eos_token_id=None)
     o = report["overall"]
     print(name, o)
     longest = max(p["prompt_len"] + len(p["tokens_original"]) for p in report["prompts"])
@@ -368,7 +371,25 @@ def test_variant_verify_agreement_beyond_the_window(name):
     assert longest > 2 * WINDOW
     assert o["token_agreement"] >= ATTN_REWRITE_GREEDY_AGREEMENT
     assert o["length_match"] and o["eos_match"]
-    assert o["logits_max_abs_err"] <= ATTN_REWRITE_LOGITS_ATOL
+    if name not in MOE:
+        assert o["logits_max_abs_err"] <= ATTN_REWRITE_LOGITS_ATOL
+        return
+    # gpt-oss (a float MoE after the attention): the original itself moves by up to ~0.8 on some
+    # steps when only its K/V are INT8 (emulated in its graph), as README's "Logit spikes on MoE
+    # models" describes. What the rewrite must do is equal that: fed the original's tokens, the
+    # rewritten model with Q.K and P.V unquantized equals the emulated original on these prompts.
+    from graphs.attention import emulate_kv_int8
+    from ort_ops.runtime import generate
+    from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL
+
+    forced = [p["tokens_original"] for p in report["prompts"]]
+    model, _ = rewrite_model(_path(name), moe=False, qk_quant="none", pv_quant="none")
+    a = generate(emulate_kv_int8(onnx.load(_path(name))), prompts, max_new_tokens=32, return_logits=True,
+                 forced_tokens=forced)
+    b = generate(ir.serde.serialize_model(model).SerializeToString(), prompts, max_new_tokens=32,
+                 return_logits=True, forced_tokens=forced)
+    for x, y in zip(a, b):
+        assert np.abs(x.logits - y.logits).max() <= ATTN_REWRITE_EMULATED_LOGITS_ATOL
 
 
 def test_cli_report_lists_each_layer(tmp_path, capsys):
