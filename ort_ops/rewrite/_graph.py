@@ -212,6 +212,11 @@ def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int,
 # LONG_PROBE_PREFILL query tokens (their mask is [S, S]).
 LONG_PROBE_KEYS = 8192
 LONG_PROBE_PREFILL = 1024
+# When a KV-cache model's mask shows no window there, it runs once more behind this many keys,
+# its past inputs fed with head_dim 0 (no memory; a mask reads the past's length, not its
+# values): a window or a chunk (Llama 4's 8192) up to this long is seen too. A model whose mask
+# plumbing cannot run that way keeps the LONG_PROBE_KEYS answer.
+LONG_PROBE_KEYS_FAR = 1 << 17
 
 
 def _subgraph_proto(proto, output: str):
@@ -248,10 +253,10 @@ def _subgraph_proto(proto, output: str):
     return sub
 
 
-def _run_mask(proto, mask_name: str, past_names: set, keys: int, seq: int) -> np.ndarray:
+def _run_mask(proto, mask_name: str, past_names: set, keys: int, seq: int, empty_past: bool = False) -> np.ndarray:
     """The mask ``mask_name`` for one unpadded sequence of ``keys`` tokens whose last ``seq`` are
-    new (the rest is past), [..., seq, keys]
-    as the graph computes it (bool, or additive float); raises ValueError naming what stops the run."""
+    new (the rest is past), [..., seq, keys], as the graph computes it (bool, or additive float);
+    ``empty_past`` feeds the past inputs with head_dim 0. Raises ValueError naming what stops the run."""
     import onnxruntime as ort
 
     sub = _subgraph_proto(proto, mask_name)
@@ -270,7 +275,10 @@ def _run_mask(proto, mask_name: str, past_names: set, keys: int, seq: int) -> np
             dims = [_static(d.dim_value if d.HasField("dim_value") else d.dim_param) for d in tt.shape.dim]
             if len(dims) != 4 or dims[1] is None or dims[3] is None:
                 raise ValueError(f"past input '{name}' has no static head dims")
-            feeds[name] = np.zeros((1, dims[1], keys - seq, dims[3]), dtype)
+            if empty_past:
+                tt.shape.dim[3].Clear()
+                tt.shape.dim[3].dim_param = "empty_head_dim"
+            feeds[name] = np.zeros((1, dims[1], keys - seq, 0 if empty_past else dims[3]), dtype)
         else:
             raise ValueError(f"the mask depends on input '{name}'")
     so = ort.SessionOptions()
@@ -292,7 +300,8 @@ def _hidden(m: np.ndarray) -> np.ndarray | None:
 
 def mask_window(proto, mask_name: str, past_names: set, paged: bool) -> tuple[int | None, str]:
     """The sliding window of a causal mask, measured by running the part of the model that
-    computes it: 0 when the last query behind LONG_PROBE_KEYS - 1 past tokens (LONG_PROBE_PREFILL
+    computes it: 0 when the last query behind LONG_PROBE_KEYS - 1 past tokens (then also behind
+    LONG_PROBE_KEYS_FAR - 1 where the plumbing runs that way; LONG_PROBE_PREFILL
     prompt tokens in prefill-only graphs) sees every key; W when it sees exactly the last W keys
     and, run again on W + 9 keys (the last 5 of them new, or all new in prefill-only graphs),
     every query at position p sees exactly the keys k with p - W < k <= p (the contract's
@@ -308,6 +317,16 @@ def mask_window(proto, mask_name: str, past_names: set, paged: bool) -> tuple[in
     if hidden is None:
         return None, bias
     last = hidden[..., -1, :].reshape(-1, hidden.shape[-1])
+    if not np.any(last) and paged:
+        try:
+            far = _hidden(_run_mask(proto, mask_name, past_names, LONG_PROBE_KEYS_FAR, 1, empty_past=True))
+        except Exception:  # noqa: BLE001 - plumbing that cannot run this long: the first answer stands
+            far = np.zeros((1, 1), bool)
+        if far is None:
+            return None, bias
+        if np.any(far[..., -1, :]):
+            keys, hidden = LONG_PROBE_KEYS_FAR, far
+            last = hidden[..., -1, :].reshape(-1, hidden.shape[-1])
     if not np.any(last):
         return 0, ""
     rows = np.unique(last, axis=0)
@@ -319,7 +338,7 @@ def mask_window(proto, mask_name: str, past_names: set, paged: bool) -> tuple[in
     total = window + 9
     seq = min(5, total) if paged else total
     try:
-        hidden = _hidden(_run_mask(proto, mask_name, past_names, total, seq))
+        hidden = _hidden(_run_mask(proto, mask_name, past_names, total, seq, empty_past=keys == LONG_PROBE_KEYS_FAR))
     except Exception as e:  # noqa: BLE001
         first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         return None, f"cannot measure the mask's window: running the mask on {total} keys failed ({first})"

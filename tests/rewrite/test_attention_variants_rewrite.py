@@ -119,6 +119,27 @@ def test_window_is_measured_from_the_mask(window, past_kv):
     assert [a["window"] for a, _ in nodes] == [window] * LAYERS
 
 
+def test_window_beyond_the_first_long_probe():
+    """A window of 9000 (longer than the 8192-key probe) is still measured, by the far probe."""
+    orig = build_decoder("eager", past_kv=True, mask="window", window=9000)
+    m = ir.serde.deserialize_model(orig)
+    result = fuse_paged_attention_int8(m, RewriteOptions())
+    assert result.fused == LAYERS, [(d.where, d.reason) for d in result.declined]
+    assert [b["window"] for b in result.details["blocks"]] == [9000] * LAYERS
+
+
+@pytest.mark.parametrize("chunk", [4, 8192])
+def test_chunked_attention_declined(chunk):
+    """Chunked attention (Llama 4: keys of the query's own chunk) is not a sliding window, also
+    with chunks as long as the first long probe (whose last query then sees a whole chunk)."""
+    orig = build_decoder("eager", past_kv=True, mask="chunked", window=chunk)
+    m = ir.serde.deserialize_model(orig)
+    result = fuse_paged_attention_int8(m, RewriteOptions())
+    assert result.fused == 0 and result.details["interface"] == "unchanged"
+    per_layer = [d for d in result.declined if d.where != "model"]
+    assert len(per_layer) == LAYERS and all("not a sliding window" in d.reason for d in per_layer), per_layer
+
+
 def _edit(name: str, edit) -> onnx.ModelProto:
     m = onnx.load(_path(name))
     edit(m)
