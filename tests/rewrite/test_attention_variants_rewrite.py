@@ -119,6 +119,35 @@ def test_window_is_measured_from_the_mask(window, past_kv):
     assert [a["window"] for a, _ in nodes] == [window] * LAYERS
 
 
+@pytest.mark.parametrize("window", [4, 20])
+@pytest.mark.parametrize("past_kv", [True, False])
+def test_windowed_hand_built_decoder_on_the_kernels(window, past_kv):
+    """Q.K and P.V unquantized: the paged model equals the original with K/V INT8 emulated over
+    prefill and 6 decode steps; the prefill-only model's first logits stay within the INT8
+    budget of the original's (prompts of 9 and 27 tokens, longer than both windows)."""
+    from graphs.attention import emulate_kv_int8
+    from ort_ops.runtime import generate
+    from ort_ops.verify import make_prompts
+    from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL, ATTN_REWRITE_LOGITS_ATOL
+
+    orig = build_decoder("eager", past_kv=past_kv, mask="window", window=window, seed=3)
+    m = ir.serde.deserialize_model(orig)
+    assert fuse_paged_attention_int8(m, RewriteOptions(qk_quant="none", pv_quant="none")).fused == LAYERS
+    data = ir.serde.serialize_model(m).SerializeToString()
+    prompts = make_prompts(64, lengths=(9, 27), seed=4)
+    if past_kv:
+        a = generate(emulate_kv_int8(orig), prompts, max_new_tokens=6, return_logits=True)
+        b = generate(data, prompts, max_new_tokens=6, return_logits=True)
+        for x, y in zip(a, b):
+            assert x.tokens == y.tokens
+            assert np.abs(x.logits - y.logits).max() <= ATTN_REWRITE_EMULATED_LOGITS_ATOL
+    else:
+        a = generate(orig, prompts, max_new_tokens=1, return_logits=True)
+        b = generate(data, prompts, max_new_tokens=1, return_logits=True)
+        for x, y in zip(a, b):
+            assert np.abs(x.logits[0] - y.logits[0]).max() <= ATTN_REWRITE_LOGITS_ATOL
+
+
 def test_window_beyond_the_first_long_probe():
     """A window of 9000 (longer than the 8192-key probe) is still measured, by the far probe."""
     orig = build_decoder("eager", past_kv=True, mask="window", window=9000)
