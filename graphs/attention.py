@@ -158,12 +158,15 @@ def build_decoder(form: str = "eager", *, layers: int = 2, hq: int = 2, hkv: int
 
 def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: int = 64,
                       packed_qkv: bool = True, local_window_size: int = -1,
-                      rotary_interleaved: int = 0, past_kv: bool = True, seed: int = 0) -> onnx.ModelProto:
+                      rotary_interleaved: int = 0, past_kv: bool = True, softcap: float = 0.0,
+                      head_sink=None, seed: int = 0) -> onnx.ModelProto:
     """The ``com.microsoft`` GroupQueryAttention form onnxruntime-genai's builder and ORT's
     transformer optimizer write: packed QKV [B, S, (Hq+2Hkv)*D], do_rotary=1 with cos/sin caches,
     seqlens_k = sum(attention_mask) - 1, past/present [B, Hkv, P, D]; no position_ids input (GQA
     derives positions from the past length). Runs on stock ORT CPU (right-padded or unpadded).
-    ``past_kv=False``: a prefill graph that starts the cache (no past inputs, present outputs)."""
+    ``past_kv=False``: a prefill graph that starts the cache (no past inputs, present outputs).
+    ``local_window_size``, ``softcap`` and ``head_sink`` (float32 [hq], a constant input 11) as
+    onnxruntime-genai writes them for sliding-window, softcapped and sink models."""
     b = _B(seed)
     d = head_dim
     h = b.op("Gather", [b.weight(VOCAB, HIDDEN, std=1.0), "input_ids"], axis=0)
@@ -187,10 +190,11 @@ def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: i
             qkv = [b.op("MatMul", [h, b.weight(HIDDEN, (hq + 2 * hkv) * d)]), "", ""]
         else:
             qkv = [b.op("MatMul", [h, b.weight(HIDDEN, n * d)]) for n in (hq, hkv, hkv)]
-        o = b.op("GroupQueryAttention", qkv + [pk, pv, seqlens_k, total, cos, sin],
+        sink = [] if head_sink is None else ["", "", b.const(np.asarray(head_sink, np.float32), "head_sink")]
+        o = b.op("GroupQueryAttention", qkv + [pk, pv, seqlens_k, total, cos, sin] + sink,
                  [b.name("gqa"), f"present.{layer}.key", f"present.{layer}.value"], domain="com.microsoft",
                  num_heads=hq, kv_num_heads=hkv, do_rotary=1, rotary_interleaved=rotary_interleaved,
-                 local_window_size=local_window_size)[0]
+                 local_window_size=local_window_size, softcap=float(softcap))[0]
         h = b.op("Add", [h, b.op("MatMul", [o, b.weight(hq * d, HIDDEN)])])
     b.op("MatMul", [h, b.weight(HIDDEN, VOCAB, std=0.3)], ["logits"])
     graph = helper.make_graph(b.nodes, "decoder_gqa", inputs, outputs, b.inits)

@@ -689,7 +689,7 @@ def _fuse_gqa(ctx: _Ctx) -> int:
             continue
         tape = ir.tape.Tape()
         op = _TapeOp(tape)
-        q, k, v, hq, hkv, d, scale, rotary = spec
+        q, k, v, hq, hkv, d, scale, rotary, extras = spec
         qkv_dims = [hq * d, hkv * d, hkv * d]
         if k is None:  # packed QKV [B, S, (Hq + 2 Hkv) * D]
             q, k, v = op.Split(q, _ints(op, qkv_dims), axis=-1, _outputs=3)
@@ -708,13 +708,19 @@ def _fuse_gqa(ctx: _Ctx) -> int:
         outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
         ctx.cache_out[layer] = outs
         ctx.layer_dims[layer] = (hkv, d)
-        # GroupQueryAttention with a window, softcap or sink is declined in _decode_gqa
-        ctx.fused_attrs.append({"layer": layer, "window": 0, "softcap": 0.0, "head_sink": None})
+        window, softcap, sink = extras
+        ctx.fused_attrs.append({"layer": layer, "window": window, "softcap": softcap,
+                                "head_sink": None if sink is None else [float(x) for x in sink]})
         attrs = {"qk_quant": ctx.options.qk_quant, "pv_quant": ctx.options.pv_quant}
         if not math.isclose(scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
             attrs["scale"] = float(scale)
+        if window:
+            attrs["window"] = window
+        if softcap:
+            attrs["softcap"] = softcap
+        extra = [op.Constant(value=ir.tensor(sink))] if sink is not None else []
         o = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
-                                  ctx.shared[CU_SEQLENS_Q], _domain=DOMAIN, **attrs)
+                                  ctx.shared[CU_SEQLENS_Q], *extra, _domain=DOMAIN, **attrs)
         y = op.Reshape(o, _ints(op, [1, -1, hq * d]))
         graph.insert_before(node, tape.nodes)
         old = node.outputs[0]
@@ -742,7 +748,7 @@ def _emit_gqa_prefill(ctx: _Ctx, node: ir.Node, spec) -> None:
     -> [B, H, S, D]; padding comes from the attention_bias the probe classified. The node's
     present outputs become the rotated K and the V, [B, Hkv, S, D], as GQA writes them."""
     graph = ctx.model.graph
-    q, k, v, hq, hkv, d, scale, rotary, kind = spec
+    q, k, v, hq, hkv, d, scale, rotary, kind, (window, softcap, sink) = spec
     tape = ir.tape.Tape()
     op = _TapeOp(tape)
     if k is None:  # packed QKV [B, S, (Hq + 2 Hkv) * D]
@@ -757,7 +763,7 @@ def _emit_gqa_prefill(ctx: _Ctx, node: ir.Node, spec) -> None:
         q_BSHD, k_BSHD = _rotate_half(op, q_BSHD, cos, sin, d), _rotate_half(op, k_BSHD, cos, sin, d)
     to_BHSD = lambda x: op.Transpose(x, perm=[0, 2, 1, 3])
     k_BHSD, v_BHSD = to_BHSD(k_BSHD), to_BHSD(v_BSHD)
-    a = _Attn(to_BHSD(q_BSHD), k_BHSD, v_BHSD, None, None, hq, hkv, d, scale, kind)
+    a = _Attn(to_BHSD(q_BSHD), k_BHSD, v_BHSD, None, None, hq, hkv, d, scale, kind, window, softcap, sink)
     o_BHSD = _emit(op, ctx, a)
     y = op.Reshape(to_BHSD(o_BHSD), _ints(op, [0, 0, hq * d]))
     graph.insert_before(node, tape.nodes)
@@ -792,8 +798,6 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
     if not prefill and (past_k not in ctx.past_layer or past_v not in ctx.past_layer):
         raise MatchFailureError("GroupQueryAttention without the model's past_key/past_value inputs "
                                 "in a KV-cache model")
-    if ins[11] is not None:
-        raise MatchFailureError("GroupQueryAttention with head_sink is not supported")
     if ins[10] is not None and not prefill:
         raise MatchFailureError("GroupQueryAttention with attention_bias is not supported")
     if prefill:
@@ -806,11 +810,24 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
                                     "every row (padding through seqlens_k is not supported)")
     a = node.attributes
     get = lambda name, default: a[name].value if name in a else default
-    if int(get("local_window_size", -1)) != -1:
-        raise MatchFailureError(f"sliding window (local_window_size={get('local_window_size', -1)}) "
-                                "cannot be expressed by the paged op")
-    if float(get("softcap", 0.0)) != 0.0 or int(get("smooth_softmax", 0)) != 0 or int(get("qk_output", 0)) != 0:
-        raise MatchFailureError("softcap / smooth_softmax / qk_output are not supported")
+    # onnxruntime's GroupQueryAttention: local_window_size W lets the query at p see keys
+    # p - W < k <= p (the op's window; tests/rewrite/test_attention_variants_rewrite.py runs the
+    # node on onnxruntime against that), softcap and head_sink [Hq] as the op's
+    lws = int(get("local_window_size", -1))
+    if lws == 0 or lws < -1:
+        raise MatchFailureError(f"local_window_size={lws} (expected -1 or a positive window)")
+    window = max(lws, 0)
+    softcap = float(get("softcap", 0.0))
+    if softcap < 0 or not math.isfinite(softcap):
+        raise MatchFailureError(f"softcap={softcap} (expected 0 or a finite positive value)")
+    if int(get("smooth_softmax", 0)) != 0 or int(get("qk_output", 0)) != 0:
+        raise MatchFailureError("smooth_softmax / qk_output are not supported")
+    sink = None
+    if ins[11] is not None:
+        arr = g.const_array(ins[11])
+        if arr is None or arr.size != int(get("num_heads", 0)) or not np.all(np.isfinite(arr)):
+            raise MatchFailureError("head_sink is not a finite constant with one value per query head")
+        sink = np.asarray(arr, np.float32).reshape(-1)
     hq, hkv = int(get("num_heads", 0)), int(get("kv_num_heads", 0))
     if prefill:  # D from the query's width: [B, S, Hq*D], or packed [B, S, (Hq + 2 Hkv)*D]
         width = _dim(ctx, q, 2)
@@ -849,12 +866,11 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         if o is not None and o.uses():
             raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
     if prefill:
-        kind, window = _mask_kind(ins[10], ctx) if ins[10] is not None else ("causal", 0)
-        if window:
-            raise MatchFailureError(f"prefill GroupQueryAttention whose attention_bias is a sliding window "
-                                    f"({window}) is not supported")
-        return q, k, v, hq, hkv, d, scale, rotary, kind
-    return q, k, v, hq, hkv, d, scale, rotary
+        kind, bias_window = _mask_kind(ins[10], ctx) if ins[10] is not None else ("causal", 0)
+        # a key is seen when both the bias and local_window_size show it: the shorter window
+        window = min(w for w in (window, bias_window) if w) if window or bias_window else 0
+        return q, k, v, hq, hkv, d, scale, rotary, kind, (window, softcap, sink)
+    return q, k, v, hq, hkv, d, scale, rotary, (window, softcap, sink)
 
 
 def _remove_if_dead(graph: ir.Graph, node: ir.Node) -> None:

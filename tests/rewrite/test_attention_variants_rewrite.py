@@ -452,3 +452,88 @@ def test_cli_report_lists_each_layer(tmp_path, capsys):
     assert "attention: 2 block(s) fused (matmul: 2), interface: paged" in text
     assert "    layer 0: window 24, head_sink [-1, 2]\n" in text
     assert "    layer 1: no window, head_sink [-1, 2]\n" in text
+
+
+# --- com.microsoft GroupQueryAttention (onnxruntime-genai's form) ------------------------------
+
+
+def _gqa_node_output(q, k, v, past_k, past_v, **attrs) -> np.ndarray:
+    """One GroupQueryAttention node on stock onnxruntime: q [S, Hq, D], k/v [S, Hkv, D], past
+    [P, Hkv, D] (batch 1, no rotary); ``head_sink`` in attrs becomes input 11. Returns [S, Hq, D]."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    s, hq, d = q.shape
+    hkv, p = k.shape[1], past_k.shape[0]
+    sink = attrs.pop("head_sink", None)
+    names = ["q", "k", "v", "pk", "pv", "seqlens_k", "total"] + (["", "", "", "", "sink"] if sink is not None else [])
+    node = helper.make_node("GroupQueryAttention", names, ["o", "ok", "ov"], domain="com.microsoft", num_heads=hq,
+                            kv_num_heads=hkv, **attrs)
+    f = lambda n, shape: helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+    inputs = [f("q", [1, s, hq * d]), f("k", [1, s, hkv * d]), f("v", [1, s, hkv * d]), f("pk", [1, hkv, p, d]),
+              f("pv", [1, hkv, p, d]), helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total", TensorProto.INT32, [])] + ([f("sink", [hq])] if sink is not None else [])
+    graph = helper.make_graph([node], "gqa", inputs, [f("o", None), f("ok", None), f("ov", None)])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 20),
+                                                                  helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"q": q.reshape(1, s, -1), "k": k.reshape(1, s, -1), "v": v.reshape(1, s, -1),
+             "pk": past_k.transpose(1, 0, 2)[None], "pv": past_v.transpose(1, 0, 2)[None],
+             "seqlens_k": np.array([p + s - 1], np.int32), "total": np.array(p + s, np.int32)}
+    if sink is not None:
+        feeds["sink"] = np.asarray(sink, np.float32)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(["o"], feeds)[0].reshape(s, hq, d)
+
+
+@pytest.mark.parametrize("past,seq", [(30, 1), (30, 5), (0, 20)])
+def test_gqa_attributes_mean_the_ops_window_softcap_and_sink(past, seq):
+    """The mapping the rewrite relies on, checked on onnxruntime itself: a GroupQueryAttention
+    with local_window_size 8, softcap 1.5 and head_sink equals the contract's attention with
+    window 8 (not 9: local_window_size counts the query's own key), softcap 1.5 and that sink."""
+    rng = np.random.default_rng(past + seq)
+    hq, hkv, d = 2, 1, 64
+    q = (rng.standard_normal((seq, hq, d)) * 2).astype(np.float32)
+    k = rng.standard_normal((past + seq, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((past + seq, hkv, d)).astype(np.float32)
+    sink = np.array(SINKS, np.float32)
+    got = _gqa_node_output(q, k[past:], v[past:], k[:past], v[:past], local_window_size=8, softcap=1.5,
+                           head_sink=sink)
+    # the contract on a one-block "cache" holding K/V as floats: codes = values, scales = 1
+    want = {}
+    for window in (8, 9):
+        want[window] = np.zeros((seq, hq, d))
+        for i in range(seq):
+            pos = past + i
+            keys = np.arange(pos + 1)
+            vis = keys > pos - window
+            for h in range(hq):
+                s = 1.5 * np.tanh((k[: pos + 1, 0] @ q[i, h].astype(np.float64)) / np.sqrt(d) / 1.5)[vis]
+                m = max(s.max(), sink[h])
+                e = np.exp(s - m)
+                want[window][i, h] = (e @ v[: pos + 1, 0][vis]) / (e.sum() + np.exp(sink[h] - m))
+    assert np.abs(got - want[8]).max() <= 1e-5
+    if past + seq > 8:
+        assert np.abs(got - want[9]).max() > 1e-2  # the test tells 8 from 9
+
+
+def test_gqa_window_softcap_sink_fused_and_agree():
+    """A genai-style GroupQueryAttention decoder with local_window_size 8, softcap 1.5 and sinks
+    fuses with window 8, softcap 1.5 and head_sink; teacher-forced on the original's tokens
+    (prompts of 9-21 tokens, 8 new ones) its logits stay within the INT8 budget."""
+    from ort_ops.runtime import generate
+    from ort_ops.verify import make_prompts
+    from tests.tolerances import ATTN_REWRITE_LOGITS_ATOL
+
+    from graphs.attention import build_gqa_decoder
+
+    orig = build_gqa_decoder(local_window_size=8, softcap=1.5, head_sink=SINKS, seed=5)
+    m = ir.serde.deserialize_model(orig)
+    result = fuse_paged_attention_int8(m, RewriteOptions())
+    assert result.fused == LAYERS and not result.declined, result.declined
+    assert result.details["blocks"] == [{"layer": i, "window": 8, "softcap": 1.5, "head_sink": SINKS}
+                                        for i in range(LAYERS)]
+    data = ir.serde.serialize_model(m).SerializeToString()
+    for p in make_prompts(64, lengths=(9, 21), seed=6):
+        a = generate(orig, [p], max_new_tokens=8, return_logits=True)[0]
+        t = generate(data, [p], forced_tokens=[a.tokens], return_logits=True)[0]
+        assert np.abs(a.logits - t.logits).max() <= ATTN_REWRITE_LOGITS_ATOL
