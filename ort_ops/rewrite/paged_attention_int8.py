@@ -634,9 +634,14 @@ def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
         raise MatchFailureError("nonpad_kv_seqlen input is not supported")
     if len(node.outputs) > 3 and node.outputs[3].uses():
         raise MatchFailureError("the qk_matmul_output output is used")
-    for attr, ok in (("softcap", 0.0), ("qk_matmul_output_mode", 0)):
-        if attr in node.attributes and float(node.attributes[attr].value) != ok:
-            raise MatchFailureError(f"attribute {attr}={node.attributes[attr].value} is not supported")
+    if "qk_matmul_output_mode" in node.attributes and int(node.attributes["qk_matmul_output_mode"].value) != 0:
+        raise MatchFailureError(f"attribute qk_matmul_output_mode={node.attributes['qk_matmul_output_mode'].value} "
+                                "is not supported")
+    # softcap: applied to the scaled scores before the mask, as the op's (onnxruntime does so;
+    # tests/rewrite/test_attention_variants_rewrite.py checks it on onnxruntime)
+    softcap = float(node.attributes["softcap"].value) if "softcap" in node.attributes else 0.0
+    if softcap < 0 or not math.isfinite(softcap):
+        raise MatchFailureError(f"softcap={softcap} (expected 0 or a finite positive value)")
     causal = bool(g.attr_int(node, "is_causal", 0))
     if g.rank(q) == 3:
         hq, hkv = g.attr_int(node, "q_num_heads"), g.attr_int(node, "kv_num_heads")
@@ -658,7 +663,7 @@ def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
     hq, hkv, d = _check_dims(ctx, q, k, v)
     scale = node.attributes["scale"].value if "scale" in node.attributes else 1.0 / math.sqrt(d)
     kind, window = _mask_kind(mask, ctx, causal_attr=causal)
-    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind, window)
+    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind, window, softcap)
     if ctx.paged:
         # present_key/value are the graph outputs the paged caches replace
         for o in node.outputs[1:3]:

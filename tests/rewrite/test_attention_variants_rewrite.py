@@ -537,3 +537,61 @@ def test_gqa_window_softcap_sink_fused_and_agree():
         a = generate(orig, [p], max_new_tokens=8, return_logits=True)[0]
         t = generate(data, [p], forced_tokens=[a.tokens], return_logits=True)[0]
         assert np.abs(a.logits - t.logits).max() <= ATTN_REWRITE_LOGITS_ATOL
+
+
+# --- the ONNX Attention op (opset 23) with softcap ----------------------------------------------
+
+
+def test_onnx_attention_softcap_is_applied_before_the_mask():
+    """The mapping the rewrite relies on, on onnxruntime: Attention(softcap=c) with a causal mask
+    equals softmax(c * tanh(scale * q.k / c) + mask) (the op's order), not c * tanh((s + mask) / c)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    b, h, s, t, d = 1, 2, 5, 12, 64
+    q = (rng.standard_normal((b, h, s, d)) * 2).astype(np.float32)
+    k = rng.standard_normal((b, h, t, d)).astype(np.float32)
+    v = rng.standard_normal((b, h, t, d)).astype(np.float32)
+    mask = np.where(np.arange(t)[None] <= np.arange(t - s, t)[:, None], 0, -np.inf).astype(np.float32)[None, None]
+    f = lambda n, shape: helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+    node = helper.make_node("Attention", ["q", "k", "v", "m"], ["y"], softcap=1.5)
+    graph = helper.make_graph([node], "a", [f("q", [b, h, s, d]), f("k", [b, h, t, d]), f("v", [b, h, t, d]),
+                                            f("m", [1, 1, s, t])], [f("y", None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"q": q, "k": k, "v": v, "m": mask})[0]
+    scores = (q.astype(np.float64) @ k.transpose(0, 1, 3, 2)) / np.sqrt(d)
+
+    def attend(x):
+        p = np.exp(x - x.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ v
+
+    assert np.abs(attend(1.5 * np.tanh(scores / 1.5) + mask) - y).max() <= 1e-5
+    assert np.abs(attend(1.5 * np.tanh((scores + mask) / 1.5)) - y).max() > 1e-2
+
+
+def test_onnx_attention_softcap_fused_on_the_kernels():
+    """dynamo_attn23_kv with softcap 1.5 set on its Attention nodes: fused with softcap 1.5; with
+    Q.K and P.V unquantized it equals that model with K/V INT8 emulated (dropping the softcap in
+    the rewritten model moves its logits by 0.4, measured)."""
+    from graphs.attention import emulate_kv_int8
+    from ort_ops.runtime import generate
+    from ort_ops.verify import make_prompts
+    from tests.tolerances import ATTN_REWRITE_EMULATED_LOGITS_ATOL
+
+    orig = onnx.load(_path("dynamo_attn23_kv"))
+    for n in orig.graph.node:
+        if n.op_type == "Attention":
+            n.attribute.append(onnx.helper.make_attribute("softcap", 1.5))
+    m = ir.serde.deserialize_model(orig)
+    result = fuse_paged_attention_int8(m, RewriteOptions(qk_quant="none", pv_quant="none"))
+    assert result.fused == LAYERS, result.declined
+    assert [b["softcap"] for b in result.details["blocks"]] == [1.5] * LAYERS
+    data = ir.serde.serialize_model(m).SerializeToString()
+    prompts = make_prompts(128, lengths=(6, 15), seed=2)
+    a = generate(emulate_kv_int8(orig), prompts, max_new_tokens=6, return_logits=True)
+    b = generate(data, prompts, max_new_tokens=6, return_logits=True)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+        assert np.abs(x.logits - y.logits).max() <= ATTN_REWRITE_EMULATED_LOGITS_ATOL
