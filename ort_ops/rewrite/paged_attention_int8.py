@@ -7,22 +7,29 @@ Hq / Hkv query / kv heads, D head_dim, N cache blocks, Bs block size, M blocks p
 Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py`` builds them):
 
 * MatMul form (torch.onnx dynamo sdpa/eager, the legacy TorchScript exporter, optimum,
-  transformers' OnnxExporter): ``MatMul(q*c, K^T*c) [*|/ c] [+ mask] -> Softmax -> [Where(IsNaN)]
-  -> MatMul(., V)``, K/V through repeat_kv (Unsqueeze, Expand, Reshape) and ``Concat(past, new)``.
+  transformers' OnnxExporter): ``MatMul(q*c, K^T*c) [*|/ c] [softcap] [+ mask] -> Softmax ->
+  [Where(IsNaN)] -> MatMul(., V)``, K/V through repeat_kv (Unsqueeze, Expand, Reshape) and
+  ``Concat(past, new)``; softcap = ``Mul(Tanh(Div(s, c)), c)`` (Gemma 2) becomes the op's
+  ``softcap``. gpt-oss's sinks: ``Concat(scores, sink) -> [Sub(., ReduceMax)] -> Softmax ->
+  Slice [..., :-1] -> MatMul(., V)``, the per-head constant becoming the op's ``head_sink``.
   An onnxscript rewrite rule (pattern + check + rewrite) matches the core; the operand plumbing
   (scalar scales, K transposes, repeat_kv, the past Concat) is decoded by helpers shared by
   ``check`` and ``rewrite``.
-* The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph.
+* The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph (its
+  ``softcap`` is the op's).
 * ``com.microsoft`` ``GroupQueryAttention``: KV-cache graphs (rotary moved in front of the
   cache) and prefill-only graphs (no past; emitted in the prefill form below, its present
-  outputs the rotated K and the V).
+  outputs the rotated K and the V); ``local_window_size``, ``softcap`` and a constant
+  ``head_sink`` map to the op's window, softcap and head_sink.
 
 Positions a KV-cache graph computes from the cache length (no position_ids input) are replaced
 by the paged ``position_ids`` (``_positions_from_cache_length``). Graphs that onnxruntime runs on
 batches of one only are probed on one left-padded row. float16 graphs run the ops in float16.
 
-What a match checks: softmax over the key axis, a mask that is causal (and key-padding) -- decided
-by running the original graph on a left-padded probe batch, see ``_graph.py`` -- head counts
+What a match checks: softmax over the key axis, a mask that is causal (and key-padding), limited
+or not to the last W positions -- decided by running the original graph on a left-padded probe
+batch and the mask plumbing alone on long sequences (``_graph.mask_window``: W is measured per
+mask, so per layer) -- head counts
 (Hq % Hkv == 0), a supported head_dim (32, 64, 80, 96, 128, 256) and scalar scales. Anything else is
 declined with a reason and stays as it was.
 
