@@ -54,7 +54,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         if r.details.get("interface"):
             extra += f", interface: {r.details['interface']}"
         print(f"  {r.kind}: {r.fused} block(s) fused{extra}")
-        blocks = r.details.get("blocks") or []
+        blocks = (r.details.get("blocks") or []) if r.kind == "attention" else []
         # every block with its window / softcap / sinks, once any block has one
         for i, b in enumerate(blocks if any(b["window"] or b["softcap"] or b["head_sink"] for b in blocks) else []):
             what = [f"window {b['window']}" if b["window"] else "no window"]
