@@ -13,9 +13,10 @@ lm_head at the end. Inputs ``input_ids``, ``attention_mask`` [B, P+S], ``positio
 
 Forms: "eager" (MatMul, Mul(scale), Add(mask), Softmax, MatMul) and "sdpa" (q and K^T each times
 sqrt(scale), Add(mask), Softmax, Where(IsNaN), MatMul).
-Masks: "causal" (causal + key padding from attention_mask, what the ops express), and the ones
-they cannot: "window" (sliding window of ``window`` keys, default 4), "none" (no mask: bidirectional), "bias" (an
-ALiBi-like additive bias). ``softmax_axis=2`` normalizes over queries (not attention).
+Masks: "causal" (causal + key padding from attention_mask) and "window" (the same limited to the
+last ``window`` positions, default 4: the op's ``window``), what the ops express, and the ones
+they cannot: "chunked" (keys of the query's own chunk of ``window`` positions, Llama 4's chunked
+attention), "none" (no mask: bidirectional), "bias" (an ALiBi-like additive bias). ``softmax_axis=2`` normalizes over queries (not attention).
 
 ``emulate_kv_int8(model)`` inserts the contract's per-token, per-head INT8 quantize/dequantize of
 the new K and V (round half to even, scale = amax/127) before they are cached: the rewritten model
@@ -82,6 +83,9 @@ def _mask(b: _B, kind: str, ids: str, am: str, window: int = 4) -> str | None:
     allowed = b.op("LessOrEqual", [j, i])
     if kind == "window":
         allowed = b.op("And", [allowed, b.op("Greater", [j, b.op("Sub", [i, _ints(b, window)])])])
+    elif kind == "chunked":  # keys in the query's own chunk of ``window`` positions
+        same = b.op("Equal", [b.op("Div", [j, _ints(b, window)]), b.op("Div", [i, _ints(b, window)])])
+        allowed = b.op("And", [allowed, same])
     pad = b.op("Greater", [b.op("Unsqueeze", [am, _ints(b, [1, 2])]), _ints(b, 0)])  # [B, 1, 1, T]
     allowed = b.op("And", [b.op("Unsqueeze", [allowed, _ints(b, [0, 1])]), pad])
     return b.op("Where", [allowed, b.const(np.float32(0)), b.const(NEG)])
@@ -154,12 +158,15 @@ def build_decoder(form: str = "eager", *, layers: int = 2, hq: int = 2, hkv: int
 
 def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: int = 64,
                       packed_qkv: bool = True, local_window_size: int = -1,
-                      rotary_interleaved: int = 0, past_kv: bool = True, seed: int = 0) -> onnx.ModelProto:
+                      rotary_interleaved: int = 0, past_kv: bool = True, softcap: float = 0.0,
+                      head_sink=None, seed: int = 0) -> onnx.ModelProto:
     """The ``com.microsoft`` GroupQueryAttention form onnxruntime-genai's builder and ORT's
     transformer optimizer write: packed QKV [B, S, (Hq+2Hkv)*D], do_rotary=1 with cos/sin caches,
     seqlens_k = sum(attention_mask) - 1, past/present [B, Hkv, P, D]; no position_ids input (GQA
     derives positions from the past length). Runs on stock ORT CPU (right-padded or unpadded).
-    ``past_kv=False``: a prefill graph that starts the cache (no past inputs, present outputs)."""
+    ``past_kv=False``: a prefill graph that starts the cache (no past inputs, present outputs).
+    ``local_window_size``, ``softcap`` and ``head_sink`` (float32 [hq], a constant input 11) as
+    onnxruntime-genai writes them for sliding-window, softcapped and sink models."""
     b = _B(seed)
     d = head_dim
     h = b.op("Gather", [b.weight(VOCAB, HIDDEN, std=1.0), "input_ids"], axis=0)
@@ -183,10 +190,11 @@ def build_gqa_decoder(*, layers: int = 2, hq: int = 2, hkv: int = 1, head_dim: i
             qkv = [b.op("MatMul", [h, b.weight(HIDDEN, (hq + 2 * hkv) * d)]), "", ""]
         else:
             qkv = [b.op("MatMul", [h, b.weight(HIDDEN, n * d)]) for n in (hq, hkv, hkv)]
-        o = b.op("GroupQueryAttention", qkv + [pk, pv, seqlens_k, total, cos, sin],
+        sink = [] if head_sink is None else ["", "", b.const(np.asarray(head_sink, np.float32), "head_sink")]
+        o = b.op("GroupQueryAttention", qkv + [pk, pv, seqlens_k, total, cos, sin] + sink,
                  [b.name("gqa"), f"present.{layer}.key", f"present.{layer}.value"], domain="com.microsoft",
                  num_heads=hq, kv_num_heads=hkv, do_rotary=1, rotary_interleaved=rotary_interleaved,
-                 local_window_size=local_window_size)[0]
+                 local_window_size=local_window_size, softcap=float(softcap))[0]
         h = b.op("Add", [h, b.op("MatMul", [o, b.weight(hq * d, HIDDEN)])])
     b.op("MatMul", [h, b.weight(HIDDEN, VOCAB, std=0.3)], ["logits"])
     graph = helper.make_graph(b.nodes, "decoder_gqa", inputs, outputs, b.inits)

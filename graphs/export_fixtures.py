@@ -107,7 +107,7 @@ class _FlatDecoder:
     position_ids, past k/v per layer) -> (logits, present k/v per layer), so torch.onnx.export
     sees plain tensors rather than a Cache object."""
 
-    def __new__(cls, model, with_past: bool, with_positions: bool = True):
+    def __new__(cls, model, with_past: bool, with_positions: bool = True, full_cache: bool = False):
         import torch
         from transformers import DynamicCache
 
@@ -119,7 +119,10 @@ class _FlatDecoder:
             def forward(self, input_ids, attention_mask, position_ids, *past):
                 cache = None
                 if with_past:
-                    cache = DynamicCache(config=model.config)
+                    # full_cache: every layer keeps all its past (no config, so no sliding-window
+                    # layer that crops what it stores): past and present cover the whole context,
+                    # as optimum's exports of sliding-window models do, and the window lives in the mask
+                    cache = DynamicCache() if full_cache else DynamicCache(config=model.config)
                     for i in range(model.config.num_hidden_layers):
                         cache.update(past[2 * i], past[2 * i + 1], i)
                 out = self.model(input_ids=input_ids, attention_mask=attention_mask,
@@ -151,15 +154,16 @@ def _io_names(with_past: bool, past_fmt: str, present_fmt: str, with_positions: 
     return ins, outs
 
 
-def export_dynamo(model, out: Path, *, opset: int = 20, with_past: bool = True) -> None:
+def export_dynamo(model, out: Path, *, opset: int = 20, with_past: bool = True, full_cache: bool = False) -> None:
     """torch.onnx.export(dynamo=True) of a transformers causal LM in the ``dynamo_sdpa_kv`` form:
     flat inputs (input_ids, attention_mask, position_ids, past_key_values.{i}.key/value) and
     outputs (logits, present.{i}.key/value), every dim but the heads' dynamic, dims and layer
-    count from the model's config. graphs/train_models.py exports its trained models with it."""
+    count from the model's config. graphs/train_models.py exports its trained models with it.
+    ``full_cache``: past/present keep every position on every layer (see ``_FlatDecoder``)."""
     import torch
 
     ids, mask, pos, kv = _sample(with_past, config=model.config)
-    flat = _FlatDecoder(model, with_past).eval()
+    flat = _FlatDecoder(model, with_past, full_cache=full_cache).eval()
     args = (ids, mask, pos, *[t for pair in kv for t in pair])
     layers = model.config.num_hidden_layers
     ins, outs = _io_names(with_past, "past_key_values.{i}.{kv}", "present.{i}.{kv}", True, layers)
@@ -229,8 +233,6 @@ def _export_transformers(name: str, out: Path, *, ort_fusions: str | None, with_
 
 
 def export(name: str, out_dir: Path) -> Path:
-    import onnx
-
     out = out_dir / f"{name}.onnx"
     if name == "tx_sdpa_kv":
         _export_transformers(name, out, ort_fusions=None)
@@ -255,14 +257,21 @@ def export(name: str, out_dir: Path) -> Path:
         _export_torch(name, out, dynamo=False, opset=17, with_past=True)
     else:
         raise ValueError(f"export_fixtures: unknown form '{name}', expected one of {FORMS}")
+    return strip_and_tag(out, name, "graphs/export_fixtures.py")
+
+
+def strip_and_tag(out: Path, name: str, generated_by: str, eos_token_id: int = 2) -> Path:
+    """Drops the node metadata exporters write (stack traces and module paths, ~half the file)
+    and records the fixture's form, generator and EOS token in ``metadata_props``."""
+    import onnx
+
     m = onnx.load(str(out))
-    # Exporters annotate every node with stack traces and module paths (~half the file): drop them.
     for node in m.graph.node:
         del node.metadata_props[:]
         node.doc_string = ""
     onnx.helper.set_model_props(m, {"ort_ops.fixture_form": name,
-                                    "ort_ops.generated_by": "graphs/export_fixtures.py",
-                                    "ort_ops.eos_token_id": "2"})
+                                    "ort_ops.generated_by": generated_by,
+                                    "ort_ops.eos_token_id": str(eos_token_id)})
     onnx.save(m, str(out))
     return out
 

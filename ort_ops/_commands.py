@@ -54,6 +54,13 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         if r.details.get("interface"):
             extra += f", interface: {r.details['interface']}"
         print(f"  {r.kind}: {r.fused} block(s) fused{extra}")
+        blocks = (r.details.get("blocks") or []) if r.kind == "attention" else []
+        # every block with its window / softcap / sinks, once any block has one
+        for i, b in enumerate(blocks if any(b["window"] or b["softcap"] or b["head_sink"] for b in blocks) else []):
+            what = [f"window {b['window']}" if b["window"] else "no window"]
+            what += [f"softcap {b['softcap']:g}"] if b["softcap"] else []
+            what += [f"head_sink [{', '.join(f'{x:g}' for x in b['head_sink'])}]"] if b["head_sink"] else []
+            print(f"    {'layer ' + str(b['layer']) if b['layer'] is not None else 'block ' + str(i)}: {', '.join(what)}")
         for d in r.declined:
             print(f"    declined {d.where}: {d.reason}")
     return 0

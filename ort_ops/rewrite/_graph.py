@@ -88,8 +88,8 @@ def node_names(nodes: Iterable[ir.Node]) -> str:
 # --- probing -------------------------------------------------------------------------------------
 
 PROBE_BATCH = 2
-# Long enough that a short sliding window (< PROBE_PAST + PROBE_SEQ keys) shows in the mask;
-# a window longer than the probe cannot be seen this way (README: limitations).
+# The short probe checks causality and key padding (with the window that mask_window measured);
+# the window itself is measured on longer runs of the mask plumbing (mask_window).
 PROBE_SEQ = 6
 PROBE_PAST = 6
 # The second probe (other sizes: what is equal on both is structural, not a size) and the batch
@@ -185,21 +185,26 @@ def run_probe(model: ir.Model, values: Sequence[ir.Value], feeds: dict) -> dict[
     return dict(zip(names, outs))
 
 
-def expected_visible(mask: np.ndarray, past: int, seq: int, padding: bool) -> np.ndarray:
-    """allowed[b, i, j]: query i (position past + i) may see key j: causal, and (``padding``) not a pad."""
+def expected_visible(mask: np.ndarray, past: int, seq: int, padding: bool, window: int = 0) -> np.ndarray:
+    """allowed[b, i, j]: query i (position past + i) may see key j: causal, within the last
+    ``window`` positions when ``window`` > 0 (j > past + i - window), and (``padding``) not a pad."""
     total = past + seq
     i = np.arange(seq)[:, None] + past
     j = np.arange(total)[None, :]
-    causal = np.broadcast_to(j <= i, (mask.shape[0], seq, total))
+    allowed = j <= i
+    if window > 0:
+        allowed = allowed & (j > i - window)
+    causal = np.broadcast_to(allowed, (mask.shape[0], seq, total))
     if padding:
         return causal & (mask[:, None, :] > 0)
     return causal.copy()
 
 
-def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int) -> str | None:
+def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int, window: int = 0) -> str | None:
     """Compares an additive mask (probe output, broadcastable to [B, H, S, P+S]) with causal and
-    causal+key-padding on the rows of real (non-pad) queries. Returns "causal+padding",
-    "causal" or None (something else: a window, bidirectional, a bias)."""
+    causal+key-padding (each limited to the last ``window`` positions when ``window`` > 0) on
+    the rows of real (non-pad) queries. Returns "causal+padding", "causal" or None (something
+    else: another window, bidirectional, a bias)."""
     b = mask.shape[0]
     total = past + seq
     try:
@@ -208,7 +213,7 @@ def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int)
         return None
     real_q = mask[:, past:] > 0  # [B, S]
     for padding, label in ((True, "causal+padding"), (False, "causal")):
-        vis = expected_visible(mask, past, seq, padding)  # [B, S, T]
+        vis = expected_visible(mask, past, seq, padding, window)  # [B, S, T]
         ok = True
         for bb in range(b):
             for ii in range(seq):
@@ -230,6 +235,11 @@ def classify_additive_mask(m: np.ndarray, mask: np.ndarray, past: int, seq: int)
 # LONG_PROBE_PREFILL query tokens (their mask is [S, S]).
 LONG_PROBE_KEYS = 8192
 LONG_PROBE_PREFILL = 1024
+# When a KV-cache model's mask shows no window there, it runs once more behind this many keys,
+# its past inputs fed with head_dim 0 (no memory; a mask reads the past's length, not its
+# values): a window or a chunk (Llama 4's 8192) up to this long is seen too. A model whose mask
+# plumbing cannot run that way keeps the LONG_PROBE_KEYS answer.
+LONG_PROBE_KEYS_FAR = 1 << 17
 
 
 def _subgraph_proto(proto, output: str):
@@ -266,52 +276,107 @@ def _subgraph_proto(proto, output: str):
     return sub
 
 
-def mask_sees_every_key(proto, mask_name: str, past_names: set, paged: bool) -> tuple[bool | None, str]:
-    """Runs the part of the model that computes the mask on one long sequence with no padding and
-    checks that the last query sees every key (a causal mask does; a sliding window does not).
-
-    Returns (True | False | None, detail); None when the mask plumbing cannot be run this way."""
+def _run_mask(proto, mask_name: str, past_names: set, keys: int, seq: int, empty_past: bool = False) -> np.ndarray:
+    """The mask ``mask_name`` for one unpadded sequence of ``keys`` tokens whose last ``seq`` are
+    new (the rest is past), [..., seq, keys], as the graph computes it (bool, or additive float);
+    ``empty_past`` feeds the past inputs with head_dim 0. Raises ValueError naming what stops the run."""
     import onnxruntime as ort
 
+    sub = _subgraph_proto(proto, mask_name)
+    feeds = {}
+    for inp in sub.graph.input:
+        name = inp.name
+        tt = inp.type.tensor_type
+        dtype = onnx_dtype_to_np(tt.elem_type)
+        if name.endswith("input_ids"):
+            feeds[name] = np.full((1, seq), 3, dtype)
+        elif "attention_mask" in name:
+            feeds[name] = np.ones((1, keys), dtype)
+        elif "position_ids" in name:
+            feeds[name] = np.arange(keys - seq, keys, dtype=dtype)[None, :]
+        elif name in past_names:
+            dims = [_static(d.dim_value if d.HasField("dim_value") else d.dim_param) for d in tt.shape.dim]
+            if len(dims) != 4 or dims[1] is None or dims[3] is None:
+                raise ValueError(f"past input '{name}' has no static head dims")
+            if empty_past:
+                tt.shape.dim[3].Clear()
+                tt.shape.dim[3].dim_param = "empty_head_dim"
+            feeds[name] = np.zeros((1, dims[1], keys - seq, 0 if empty_past else dims[3]), dtype)
+        else:
+            raise ValueError(f"the mask depends on input '{name}'")
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return np.asarray(sess.run(None, feeds)[0])
+
+
+def _hidden(m: np.ndarray) -> np.ndarray | None:
+    """Which keys a mask hides (True), or None when it adds other values than 0 and <= -1e4."""
+    if m.dtype == np.bool_:
+        return ~m
+    if not np.issubdtype(m.dtype, np.floating):
+        return m != 0
+    if np.any((m > -1e4) & (m != 0)):
+        return None
+    return m <= -1e4
+
+
+def mask_window(proto, mask_name: str, past_names: set, paged: bool) -> tuple[int | None, str]:
+    """The sliding window of a causal mask, measured by running the part of the model that
+    computes it: 0 when the last query behind LONG_PROBE_KEYS - 1 past tokens (then also behind
+    LONG_PROBE_KEYS_FAR - 1 where the plumbing runs that way; LONG_PROBE_PREFILL
+    prompt tokens in prefill-only graphs) sees every key; W when it sees exactly the last W keys
+    and, run again on W + 9 keys (the last 5 of them new, or all new in prefill-only graphs),
+    every query at position p sees exactly the keys k with p - W < k <= p (the contract's
+    ``window``); None with the reason (a sentence) otherwise or when the plumbing cannot be run
+    this way."""
+    keys = LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL
+    bias = "the mask is not causal: it adds values other than 0 and <= -1e4 (a bias)"
     try:
-        sub = _subgraph_proto(proto, mask_name)
-        keys = LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL
-        seq = 1 if paged else keys
-        feeds = {}
-        for inp in sub.graph.input:
-            name = inp.name
-            tt = inp.type.tensor_type
-            dtype = onnx_dtype_to_np(tt.elem_type)
-            if name.endswith("input_ids"):
-                feeds[name] = np.full((1, seq), 3, dtype)
-            elif "attention_mask" in name:
-                feeds[name] = np.ones((1, keys), dtype)
-            elif "position_ids" in name:
-                feeds[name] = np.arange(keys - seq, keys, dtype=dtype)[None, :]
-            elif name in past_names:
-                dims = [_static(d.dim_value if d.HasField("dim_value") else d.dim_param) for d in tt.shape.dim]
-                if len(dims) != 4 or dims[1] is None or dims[3] is None:
-                    return None, f"past input '{name}' has no static head dims"
-                feeds[name] = np.zeros((1, dims[1], keys - seq, dims[3]), dtype)
-            else:
-                return None, f"the mask depends on input '{name}'"
-        so = ort.SessionOptions()
-        so.log_severity_level = 4
-        sess = ort.InferenceSession(sub.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        m = sess.run(None, feeds)[0]
+        hidden = _hidden(_run_mask(proto, mask_name, past_names, keys, 1 if paged else keys))
     except Exception as e:  # noqa: BLE001 - reported by the caller as "cannot check"
         first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        keys = LONG_PROBE_KEYS if paged else LONG_PROBE_PREFILL
-        return None, f"running the mask on {keys} keys failed ({first})"
-    last = np.asarray(m)[..., -1, :]
-    if last.dtype == np.bool_:
-        hidden = ~last
-    else:
-        hidden = last < -1e4 if np.issubdtype(last.dtype, np.floating) else last != 0
-    if np.any(hidden):
-        first_seen = int(np.argmax(~np.any(hidden.reshape(-1, hidden.shape[-1]), axis=0)))
-        return False, f"the last of {last.shape[-1]} keys' query sees only keys >= {first_seen} (a sliding window)"
-    return True, ""
+        return None, f"cannot measure the mask's window: running the mask on {keys} keys failed ({first})"
+    if hidden is None:
+        return None, bias
+    last = hidden[..., -1, :].reshape(-1, hidden.shape[-1])
+    if not np.any(last) and paged:
+        try:
+            far = _hidden(_run_mask(proto, mask_name, past_names, LONG_PROBE_KEYS_FAR, 1, empty_past=True))
+        except Exception:  # noqa: BLE001 - plumbing that cannot run this long: the first answer stands
+            far = np.zeros((1, 1), bool)
+        if far is None:
+            return None, bias
+        if np.any(far[..., -1, :]):
+            keys, hidden = LONG_PROBE_KEYS_FAR, far
+            last = hidden[..., -1, :].reshape(-1, hidden.shape[-1])
+    if not np.any(last):
+        return 0, ""
+    rows = np.unique(last, axis=0)
+    first_seen = int(np.argmax(~rows[0])) if rows.shape[0] == 1 and np.any(~rows[0]) else -1
+    if first_seen < 0 or np.any(rows[0, first_seen:]) or not np.all(rows[0, :first_seen]):
+        return None, (f"the mask is not causal, with or without a window: the last of {keys} keys' query "
+                      "sees keys that are not one run ending at its own position (not a sliding window)")
+    window = keys - first_seen
+    total = window + 9
+    seq = min(5, total) if paged else total
+    try:
+        hidden = _hidden(_run_mask(proto, mask_name, past_names, total, seq, empty_past=keys == LONG_PROBE_KEYS_FAR))
+    except Exception as e:  # noqa: BLE001
+        first = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        return None, f"cannot measure the mask's window: running the mask on {total} keys failed ({first})"
+    if hidden is None:
+        return None, bias
+    want = ~expected_visible(np.ones((1, total)), total - seq, seq, False, window)[0]
+    try:
+        got = np.broadcast_to(hidden, hidden.shape[:-2] + want.shape).reshape(-1, *want.shape)
+    except ValueError:
+        return None, (f"cannot measure the mask's window: on {total} keys it has shape {list(hidden.shape)}, "
+                      f"expected [..., {seq}, {total}]")
+    if not np.all(got == want[None]):
+        return None, (f"the mask is not causal, with or without a window: the last of {keys} keys' query sees "
+                      f"the last {window} keys, but on {total} keys the queries do not (not a sliding window)")
+    return window, ""
 
 
 def onnx_dtype_to_np(elem_type: int):

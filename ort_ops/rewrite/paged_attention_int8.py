@@ -7,22 +7,29 @@ Hq / Hkv query / kv heads, D head_dim, N cache blocks, Bs block size, M blocks p
 Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py`` builds them):
 
 * MatMul form (torch.onnx dynamo sdpa/eager, the legacy TorchScript exporter, optimum,
-  transformers' OnnxExporter): ``MatMul(q*c, K^T*c) [*|/ c] [+ mask] -> Softmax -> [Where(IsNaN)]
-  -> MatMul(., V)``, K/V through repeat_kv (Unsqueeze, Expand, Reshape) and ``Concat(past, new)``.
+  transformers' OnnxExporter): ``MatMul(q*c, K^T*c) [*|/ c] [softcap] [+ mask] -> Softmax ->
+  [Where(IsNaN)] -> MatMul(., V)``, K/V through repeat_kv (Unsqueeze, Expand, Reshape) and
+  ``Concat(past, new)``; softcap = ``Mul(Tanh(Div(s, c)), c)`` (Gemma 2) becomes the op's
+  ``softcap``. gpt-oss's sinks: ``Concat(scores, sink) -> [Sub(., ReduceMax)] -> Softmax ->
+  Slice [..., :-1] -> MatMul(., V)``, the per-head constant becoming the op's ``head_sink``.
   An onnxscript rewrite rule (pattern + check + rewrite) matches the core; the operand plumbing
   (scalar scales, K transposes, repeat_kv, the past Concat) is decoded by helpers shared by
   ``check`` and ``rewrite``.
-* The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph.
+* The ONNX ``Attention`` op (opset 23), a single node, matched by walking the graph (its
+  ``softcap`` is the op's).
 * ``com.microsoft`` ``GroupQueryAttention``: KV-cache graphs (rotary moved in front of the
   cache) and prefill-only graphs (no past; emitted in the prefill form below, its present
-  outputs the rotated K and the V).
+  outputs the rotated K and the V); ``local_window_size``, ``softcap`` and a constant
+  ``head_sink`` map to the op's window, softcap and head_sink.
 
 Positions a KV-cache graph computes from the cache length (no position_ids input) are replaced
 by the paged ``position_ids`` (``_positions_from_cache_length``). Graphs that onnxruntime runs on
 batches of one only are probed on one left-padded row. float16 graphs run the ops in float16.
 
-What a match checks: softmax over the key axis, a mask that is causal (and key-padding) -- decided
-by running the original graph on a left-padded probe batch, see ``_graph.py`` -- head counts
+What a match checks: softmax over the key axis, a mask that is causal (and key-padding), limited
+or not to the last W positions -- decided by running the original graph on a left-padded probe
+batch and the mask plumbing alone on long sequences (``_graph.mask_window``: W is measured per
+mask, so per layer) -- head counts
 (Hq % Hkv == 0), a supported head_dim (32, 64, 80, 96, 128, 256) and scalar scales. Anything else is
 declined with a reason and stays as it was.
 
@@ -77,13 +84,14 @@ class _Ctx:
     probe_past: int
     probe_error: str | None
     proto: Any = None  # the model as it came in (the long mask probe runs parts of it)
-    window_checked: dict = dataclasses.field(default_factory=dict)  # mask name -> reason or ""
+    window_checked: dict = dataclasses.field(default_factory=dict)  # mask name -> (window, reason or "")
     shared: dict = dataclasses.field(default_factory=dict)
     cache_out: dict = dataclasses.field(default_factory=dict)  # layer -> 4 output values
     outputs_made: set = dataclasses.field(default_factory=set)  # ids of attention outputs we emit
     declines: dict = dataclasses.field(default_factory=dict)  # where -> reason
     forms: dict = dataclasses.field(default_factory=dict)
     layer_dims: dict = dataclasses.field(default_factory=dict)  # layer -> (Hkv, D)
+    fused_attrs: list = dataclasses.field(default_factory=list)  # per fused block: what the report shows
 
 
 @dataclasses.dataclass
@@ -100,6 +108,9 @@ class _Attn:
     d: int
     scale: float
     mask_kind: str  # "causal+padding" | "causal"
+    window: int = 0  # the op's ``window``: the last ``window`` positions are visible (0: all)
+    softcap: float = 0.0  # the op's ``softcap`` (0: none)
+    sink: np.ndarray | None = None  # float32 [Hq]: the op's ``head_sink`` input (None: no sink)
 
 
 # --- decoding the operands -----------------------------------------------------------------------
@@ -258,36 +269,113 @@ def _check_dims(ctx: _Ctx, q: ir.Value, k_new: ir.Value, v_new: ir.Value) -> tup
     return hq, hkv, d
 
 
-def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> str:
+def _mask_kind(mask: ir.Value | None, ctx: _Ctx, causal_attr: bool = False) -> tuple[str, int]:
+    """(kind, window) of an attention's mask: kind "causal+padding" or "causal", window the op's
+    ``window`` (0: none). The window is measured on long runs of the mask plumbing
+    (``g.mask_window``), per mask, so layers with and without a window each get their own;
+    the short probe then checks causality and key padding with that window."""
     if mask is None:
         if causal_attr:
-            return "causal"
+            return "causal", 0
         raise MatchFailureError("no attention mask: the attention is not causal")
     if ctx.probe_error:
         raise MatchFailureError(f"cannot check the mask: {ctx.probe_error}")
     arr = ctx.probes.get(mask.name)
     if arr is None:
         raise MatchFailureError(f"cannot check the mask '{mask.name}': not probed")
-    if arr.dtype == np.bool_:
-        arr = np.where(arr, 0.0, -np.inf)  # a boolean attn_mask: True = may attend
-    kind = g.classify_additive_mask(arr, ctx.probe_mask, ctx.probe_past, g.PROBE_SEQ)
-    if kind is None:
-        raise MatchFailureError("the mask is not causal (and key-padding): a window, bias or "
-                                "bidirectional mask the paged op cannot express")
     if causal_attr:
         raise MatchFailureError("is_causal together with a mask is not supported")
     if mask.name not in ctx.window_checked:
-        ok, detail = g.mask_sees_every_key(ctx.proto, mask.name, {v.name for v in ctx.past_layer}, ctx.paged)
-        ctx.window_checked[mask.name] = "" if ok else (
-            f"the mask hides keys a causal mask shows: {detail}" if ok is False
-            else f"cannot rule out a sliding window: {detail}")
-    if ctx.window_checked[mask.name]:
-        raise MatchFailureError(ctx.window_checked[mask.name])
-    return kind
+        window, detail = g.mask_window(ctx.proto, mask.name, {v.name for v in ctx.past_layer}, ctx.paged)
+        ctx.window_checked[mask.name] = (window or 0, "" if window is not None else detail)
+    window, reason = ctx.window_checked[mask.name]
+    if reason:
+        raise MatchFailureError(reason)
+    if arr.dtype == np.bool_:
+        arr = np.where(arr, 0.0, -np.inf)  # a boolean attn_mask: True = may attend
+    kind = g.classify_additive_mask(arr, ctx.probe_mask, ctx.probe_past, g.PROBE_SEQ, window)
+    if kind is None:
+        what = f"causal with a window of {window}" if window else "causal"
+        raise MatchFailureError(f"the mask is not {what} (and key-padding) on the probe batch: a bias, "
+                                "bidirectional or other mask the paged op cannot express")
+    return kind, window
+
+
+def _softcap(cap_in: ir.Value | None, cap_out: ir.Value | None) -> float:
+    """The c of ``Mul(Tanh(Div(scores, c)), c)`` (Gemma 2's attn_logit_softcapping): both
+    constants must be the same finite positive scalar, as the op's ``softcap`` computes it
+    (one division, tanh, one multiply); 0.0 when there is no softcap."""
+    if cap_in is None and cap_out is None:
+        return 0.0
+    c_in, c_out = g.const_scalar(cap_in), g.const_scalar(cap_out)
+    if c_in is None or c_out is None:
+        raise MatchFailureError("softcap Div/Mul around the Tanh are not constant scalars")
+    if c_in != c_out or not math.isfinite(c_in) or c_in <= 0:
+        raise MatchFailureError(f"softcap divides by {c_in} and multiplies by {c_out}: the op needs one "
+                                "finite positive constant for both")
+    return float(np.float32(c_in))
+
+
+def _sink_per_head(ctx: _Ctx, sink: ir.Value, hq: int) -> np.ndarray:
+    """The per-q-head sink logits [Hq] float32 behind the value concatenated to the scores
+    (gpt-oss: ``sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)``): a constant reached through
+    Expand/Reshape/Unsqueeze/Cast/Identity whose values lie on the head axis (axis 1 of
+    [B, Hq, S, 1]), or one value for every head; the probe run must show the expanded value
+    equal to it on every row."""
+    v, hops = sink, 0
+    while g.const_array(v) is None and hops < 6:
+        node = v.producer()
+        if node is None or node.op_type not in ("Expand", "Reshape", "Unsqueeze", "Cast", "Identity"):
+            break
+        v, hops = node.inputs[0], hops + 1
+    arr = g.const_array(v)
+    if arr is None:
+        raise MatchFailureError("the value concatenated to the scores (sinks) is not a constant")
+    shape = (1,) * (4 - arr.ndim) + tuple(arr.shape) if arr.ndim <= 4 else None
+    if arr.size != 1 and (arr.size != hq or shape is None or shape[1] != hq or shape[0] != 1 or shape[2] != 1
+                          or shape[3] != 1):
+        raise MatchFailureError(f"sinks constant of shape {list(arr.shape)}, expected one value per query head "
+                                f"({hq}) on the head axis, or one for all")
+    per_head = np.broadcast_to(np.asarray(arr, np.float32).reshape(-1), (hq,)).copy()
+    if not np.all(np.isfinite(per_head)):
+        raise MatchFailureError("sinks constant has non-finite values")
+    probed = g.const_array(sink) if g.const_array(sink) is not None else ctx.probes.get(sink.name)
+    if probed is not None and probed.ndim < 4:
+        probed = probed.reshape((1,) * (4 - probed.ndim) + probed.shape)
+    if probed is None or probed.ndim != 4 or probed.shape[1] != hq or probed.shape[3] != 1 or \
+            not np.array_equal(probed.astype(np.float32), np.broadcast_to(per_head.reshape(1, hq, 1, 1), probed.shape)):
+        raise MatchFailureError("the probe run does not show the sinks as one constant per query head on "
+                                "every row")
+    return per_head
+
+
+def _check_sink_softmax(cat: ir.Value, probs: ir.Value, kept: ir.Value, max_node: ir.Node | None) -> None:
+    """Concat(scores, sink) on the key axis [-> Sub(., ReduceMax(., key axis, keepdims))] ->
+    Softmax(key axis) -> Slice [..., :-1]: the sink joins the denominator and is dropped before
+    P.V (subtracting the row max does not change a softmax)."""
+    last = lambda axis, rank: axis == -1 or (rank is not None and axis == rank - 1)
+    c = cat.producer()
+    if len(c.inputs) != 2 or not last(g.attr_int(c, "axis", 0), g.rank(cat)):
+        raise MatchFailureError("the sinks Concat is not of two values on the key axis")
+    if max_node is not None:
+        axes = g.const_array(max_node.inputs[1]) if len(max_node.inputs) > 1 else None
+        if axes is None and "axes" in max_node.attributes:
+            axes = np.array(g.attr_ints(max_node, "axes"))
+        if axes is None or axes.size != 1 or not last(int(axes.reshape(())), g.rank(cat)) or \
+                g.attr_int(max_node, "keepdims", 1) != 1:
+            raise MatchFailureError("the max subtracted before the sinks softmax is not over the key axis")
+    sl = kept.producer()
+    ins = list(sl.inputs) + [None] * (5 - len(sl.inputs))
+    starts, ends, axes, steps = (g.const_array(i) if i is not None else None for i in ins[1:5])
+    ok = starts is not None and ends is not None and axes is not None and starts.size == ends.size == axes.size == 1
+    ok = ok and int(starts.reshape(())) == 0 and int(ends.reshape(())) == -1 and last(int(axes.reshape(())), g.rank(probs))
+    ok = ok and (steps is None or (steps.size == 1 and int(steps.reshape(())) == 1))
+    if not ok:
+        raise MatchFailureError("the sinks softmax is not sliced to [..., :-1] on the key axis")
 
 
 def _decode_matmul_form(ctx: _Ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill,
-                        probs) -> _Attn:
+                        probs, cap_in=None, cap_out=None, sink=None) -> _Attn:
     sm = probs.producer()
     axis = g.attr_int(sm, "axis", -1)
     r = g.rank(probs)
@@ -314,8 +402,10 @@ def _decode_matmul_form(ctx: _Ctx, query, key_t, value, mask, qk_scale, qk_scali
     elif past_k is not None or past_v is not None:
         raise MatchFailureError("past concatenated in a model without a cache interface")
     hq, hkv, d = _check_dims(ctx, q, k_new, v_new)
-    kind = _mask_kind(mask, ctx)
-    return _Attn(q, k_new, v_new, past_k, past_v, hq, hkv, d, sq * sk * sqk, kind)
+    softcap = _softcap(cap_in, cap_out)
+    head_sink = _sink_per_head(ctx, sink, hq) if sink is not None else None
+    kind, window = _mask_kind(mask, ctx)
+    return _Attn(q, k_new, v_new, past_k, past_v, hq, hkv, d, sq * sk * sqk, kind, window, softcap, head_sink)
 
 
 # --- emitting the replacement -------------------------------------------------------------------
@@ -371,6 +461,15 @@ def _emit(op, ctx: _Ctx, a: _Attn):
     attrs = {"qk_quant": opts.qk_quant, "pv_quant": opts.pv_quant}
     if not math.isclose(a.scale, 1.0 / math.sqrt(a.d), rel_tol=1e-6):
         attrs["scale"] = float(a.scale)
+    if a.window:
+        attrs["window"] = int(a.window)
+    if a.softcap:
+        attrs["softcap"] = float(a.softcap)
+    # optional input 8 head_sink float32 [Hq]
+    extra = [op.Constant(value=ir.tensor(a.sink.astype(np.float32)))] if a.sink is not None else []
+    ctx.fused_attrs.append({"layer": ctx.past_layer[a.past_k][0] if ctx.paged else None, "window": int(a.window),
+                            "softcap": float(a.softcap),
+                            "head_sink": None if a.sink is None else [float(x) for x in a.sink]})
     if ctx.paged:
         layer = ctx.past_layer[a.past_k][0]
         caches = [ctx.shared["cache_in"][(layer, p)] for p in CACHE_PARTS]
@@ -378,7 +477,7 @@ def _emit(op, ctx: _Ctx, a: _Attn):
         ctx.cache_out[layer] = outs
         ctx.layer_dims[layer] = (a.hkv, a.d)
         o_THD = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
-                                      ctx.shared[CU_SEQLENS_Q], _domain=DOMAIN, **attrs)
+                                      ctx.shared[CU_SEQLENS_Q], *extra, _domain=DOMAIN, **attrs)
         o = op.Transpose(op.Reshape(o_THD, _ints(op, [1, -1, a.hq, a.d])), perm=[0, 2, 1, 3])
     else:
         p = _prefill_plumbing(op, ctx, a.q_BHSD, a.mask_kind == "causal+padding")
@@ -392,7 +491,7 @@ def _emit(op, ctx: _Ctx, a: _Attn):
         gather = lambda x: op.Gather(x, p["idx"], axis=0)
         outs = op.QuantizeKVCache(gather(k_THD), gather(v_THD), p["slots"], kc, vc, ks, vs,
                                   _domain=DOMAIN, _outputs=4)
-        o_packed = op.PagedAttentionInt8(gather(q_THD), *outs, p["tables"], p["seq_lens"], p["cu"],
+        o_packed = op.PagedAttentionInt8(gather(q_THD), *outs, p["tables"], p["seq_lens"], p["cu"], *extra,
                                          _domain=DOMAIN, **attrs)
         o_all = op.ScatterND(op.Mul(q_THD, op.CastLike(op.Constant(value=ir.tensor(np.array(0.0, np.float32))),
                                                         q_THD)),
@@ -406,21 +505,52 @@ def _emit(op, ctx: _Ctx, a: _Attn):
 # --- the MatMul form as an onnxscript rule ------------------------------------------------------
 
 
-class MatMulSoftmaxAttention(pattern.RewriteRuleClassBase):
-    """``MatMul(q, K^T) [*c] [+mask] -> Softmax -> [Where(IsNaN)] -> MatMul(., V)``."""
+def _scores_pattern(op, query, key_t, qk_scale, cap_in, cap_out, mask):
+    """scores [B, Hq, S, Skv] = q [B, Hq, S, D] @ K^T [B, Hq, D, Skv], then the optional scale,
+    softcap and additive mask, in the op's order (scale -> softcap -> mask)."""
+    scores = op.MatMul(query, key_t)
+    # Optional scale on the scores (eager attention; sdpa scales q and K^T instead).
+    scores = pattern.OrValue([op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
+                             tag_var="qk_scaling", tag_values=["Mul", "Div", "None"])
+    # Optional softcap: c * tanh(scores / c) (Gemma 2's attn_logit_softcapping).
+    scores = pattern.OrValue([op.Mul(op.Tanh(op.Div(scores, cap_in)), cap_out), scores],
+                             tag_var="has_softcap", tag_values=[True, False])
+    # Optional additive mask (causal + padding, with or without a window, checked by probing).
+    return pattern.OrValue([op.Add(scores, mask), scores], tag_var="has_mask", tag_values=[True, False])
 
-    def __init__(self, ctx: _Ctx):
-        super().__init__(name="PagedAttentionInt8_MatMulSoftmax")
+
+class _AttentionRule(pattern.RewriteRuleClassBase):
+    """check/rewrite shared by the MatMul-form rules: both decode the match with
+    ``_decode_matmul_form`` (the rule's ``_decode`` maps its bindings to that)."""
+
+    def __init__(self, name: str, ctx: _Ctx):
+        super().__init__(name=name)
         self._ctx = ctx
 
-    def pattern(self, op, query, key_t, value, mask, qk_scale, nan_fill):
-        # scores [B, Hq, S, Skv] = q [B, Hq, S, D] @ K^T [B, Hq, D, Skv]
-        scores = op.MatMul(query, key_t)
-        # Optional scale on the scores (eager attention; sdpa scales q and K^T instead).
-        scores = pattern.OrValue([op.Mul(scores, qk_scale), op.Div(scores, qk_scale), scores],
-                                 tag_var="qk_scaling", tag_values=["Mul", "Div", "None"])
-        # Optional additive mask (causal + padding, checked by probing in check()).
-        scores = pattern.OrValue([op.Add(scores, mask), scores], tag_var="has_mask", tag_values=[True, False])
+    def check(self, context, probs, **binds):
+        where = probs.producer().name or "Softmax"
+        try:
+            self._decode(probs=probs, **binds)
+        except MatchFailureError as e:
+            self._ctx.declines.setdefault(where, e.reason if hasattr(e, "reason") else str(e))
+            return pattern.MatchResult().fail(str(getattr(e, "reason", e)))
+        self._ctx.declines.pop(where, None)
+        return pattern.MatchResult()
+
+    def rewrite(self, op, probs, **binds):
+        a = self._decode(probs=probs, **binds)
+        self._ctx.forms["matmul"] = self._ctx.forms.get("matmul", 0) + 1
+        return _emit(op, self._ctx, a)
+
+
+class MatMulSoftmaxAttention(_AttentionRule):
+    """``MatMul(q, K^T) [*c] [softcap] [+mask] -> Softmax -> [Where(IsNaN)] -> MatMul(., V)``."""
+
+    def __init__(self, ctx: _Ctx):
+        super().__init__("PagedAttentionInt8_MatMulSoftmax", ctx)
+
+    def pattern(self, op, query, key_t, value, mask, qk_scale, nan_fill, cap_in, cap_out):
+        scores = _scores_pattern(op, query, key_t, qk_scale, cap_in, cap_out, mask)
         probs = op.Softmax(scores, _outputs=["probs"])
         # sdpa's guard against fully masked rows (NaN -> 0).
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), nan_fill, probs), probs],
@@ -428,22 +558,46 @@ class MatMulSoftmaxAttention(pattern.RewriteRuleClassBase):
         # out [B, Hq, S, D] = P [B, Hq, S, Skv] @ V [B, Hq, Skv, D]
         return op.MatMul(probs, value)
 
-    def check(self, context, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None",
-              nan_fill=None, **_):
-        where = probs.producer().name or "Softmax"
-        try:
-            _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs)
-        except MatchFailureError as e:
-            self._ctx.declines.setdefault(where, e.reason if hasattr(e, "reason") else str(e))
-            return pattern.MatchResult().fail(str(getattr(e, "reason", e)))
-        self._ctx.declines.pop(where, None)
-        return pattern.MatchResult()
+    def _decode(self, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None", nan_fill=None,
+                cap_in=None, cap_out=None, **_):
+        return _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs,
+                                   cap_in, cap_out)
 
-    def rewrite(self, op, query, key_t, value, probs, mask=None, qk_scale=None, qk_scaling="None",
-                nan_fill=None, **_):
-        a = _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, nan_fill, probs)
-        self._ctx.forms["matmul"] = self._ctx.forms.get("matmul", 0) + 1
-        return _emit(op, self._ctx, a)
+
+class MatMulSinkSoftmaxAttention(_AttentionRule):
+    """gpt-oss's attention sinks: ``MatMul(q, K^T) [*c] [softcap] [+mask] -> Concat(., sink) ->
+    [Sub(., ReduceMax(.))] -> Softmax -> Slice [..., :-1] -> MatMul(., V)``; the per-head sink
+    constant becomes the op's ``head_sink`` input."""
+
+    def __init__(self, ctx: _Ctx):
+        super().__init__("PagedAttentionInt8_MatMulSinkSoftmax", ctx)
+
+    def pattern(self, op, query, key_t, value, mask, qk_scale, cap_in, cap_out, sink, max_axes, starts, ends,
+                axes, steps):
+        scores = _scores_pattern(op, query, key_t, qk_scale, cap_in, cap_out, mask)
+        # [B, Hq, S, Skv + 1]: the sink logit joins each row
+        cat = op.Concat(scores, sink, _outputs=["cat"])
+        # Optional max subtraction (gpt-oss's, against overflow), the max reduced over the key axis
+        row_max = pattern.OrValue([op.ReduceMax(cat, max_axes, _outputs=["row_max"]),
+                                   op.ReduceMax(cat, _outputs=["row_max"])], tag_var="max_axes_input",
+                                  tag_values=[True, False])
+        logits = pattern.OrValue([op.Sub(cat, row_max), cat], tag_var="max_sub", tag_values=[True, False])
+        probs = op.Softmax(logits, _outputs=["probs"])
+        # drop the sink's column: P [B, Hq, S, Skv]
+        kept = pattern.OrValue([op.Slice(probs, starts, ends, axes, steps, _outputs=["kept"]),
+                                op.Slice(probs, starts, ends, axes, _outputs=["kept"])], tag_var="slice_steps",
+                               tag_values=[True, False])
+        return op.MatMul(kept, value)
+
+    def _decode(self, query, key_t, value, probs, cat, kept, sink, mask=None, qk_scale=None, qk_scaling="None",
+                cap_in=None, cap_out=None, max_sub=False, row_max=None, **_):
+        sm = probs.producer()
+        axis = g.attr_int(sm, "axis", -1)
+        if not (axis == -1 or (g.rank(probs) is not None and axis == g.rank(probs) - 1)):
+            raise MatchFailureError(f"Softmax over axis {axis}, not the key axis (-1)")
+        _check_sink_softmax(cat, probs, kept, row_max.producer() if max_sub and row_max is not None else None)
+        return _decode_matmul_form(self._ctx, query, key_t, value, mask, qk_scale, qk_scaling, None, probs,
+                                   cap_in, cap_out, sink)
 
 
 # --- the ONNX Attention op (opset 23) -----------------------------------------------------------
@@ -487,9 +641,14 @@ def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
         raise MatchFailureError("nonpad_kv_seqlen input is not supported")
     if len(node.outputs) > 3 and node.outputs[3].uses():
         raise MatchFailureError("the qk_matmul_output output is used")
-    for attr, ok in (("softcap", 0.0), ("qk_matmul_output_mode", 0)):
-        if attr in node.attributes and float(node.attributes[attr].value) != ok:
-            raise MatchFailureError(f"attribute {attr}={node.attributes[attr].value} is not supported")
+    if "qk_matmul_output_mode" in node.attributes and int(node.attributes["qk_matmul_output_mode"].value) != 0:
+        raise MatchFailureError(f"attribute qk_matmul_output_mode={node.attributes['qk_matmul_output_mode'].value} "
+                                "is not supported")
+    # softcap: applied to the scaled scores before the mask, as the op's (onnxruntime does so;
+    # tests/rewrite/test_attention_variants_rewrite.py checks it on onnxruntime)
+    softcap = float(node.attributes["softcap"].value) if "softcap" in node.attributes else 0.0
+    if softcap < 0 or not math.isfinite(softcap):
+        raise MatchFailureError(f"softcap={softcap} (expected 0 or a finite positive value)")
     causal = bool(g.attr_int(node, "is_causal", 0))
     if g.rank(q) == 3:
         hq, hkv = g.attr_int(node, "q_num_heads"), g.attr_int(node, "kv_num_heads")
@@ -510,8 +669,8 @@ def _decode_onnx_attention(ctx: _Ctx, node: ir.Node) -> tuple[_Attn, Any]:
             raise MatchFailureError("past concatenated in a model without a cache interface")
     hq, hkv, d = _check_dims(ctx, q, k, v)
     scale = node.attributes["scale"].value if "scale" in node.attributes else 1.0 / math.sqrt(d)
-    kind = _mask_kind(mask, ctx, causal_attr=causal)
-    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind)
+    kind, window = _mask_kind(mask, ctx, causal_attr=causal)
+    a = _Attn(q, k, v, past_k, past_v, hq, hkv, d, float(scale), kind, window, softcap)
     if ctx.paged:
         # present_key/value are the graph outputs the paged caches replace
         for o in node.outputs[1:3]:
@@ -542,7 +701,7 @@ def _fuse_gqa(ctx: _Ctx) -> int:
             continue
         tape = ir.tape.Tape()
         op = _TapeOp(tape)
-        q, k, v, hq, hkv, d, scale, rotary = spec
+        q, k, v, hq, hkv, d, scale, rotary, extras = spec
         qkv_dims = [hq * d, hkv * d, hkv * d]
         if k is None:  # packed QKV [B, S, (Hq + 2 Hkv) * D]
             q, k, v = op.Split(q, _ints(op, qkv_dims), axis=-1, _outputs=3)
@@ -561,11 +720,19 @@ def _fuse_gqa(ctx: _Ctx) -> int:
         outs = op.QuantizeKVCache(k_THD, v_THD, ctx.shared[SLOT_MAPPING], *caches, _domain=DOMAIN, _outputs=4)
         ctx.cache_out[layer] = outs
         ctx.layer_dims[layer] = (hkv, d)
+        window, softcap, sink = extras
+        ctx.fused_attrs.append({"layer": layer, "window": window, "softcap": softcap,
+                                "head_sink": None if sink is None else [float(x) for x in sink]})
         attrs = {"qk_quant": ctx.options.qk_quant, "pv_quant": ctx.options.pv_quant}
         if not math.isclose(scale, 1.0 / math.sqrt(d), rel_tol=1e-6):
             attrs["scale"] = float(scale)
+        if window:
+            attrs["window"] = window
+        if softcap:
+            attrs["softcap"] = softcap
+        extra = [op.Constant(value=ir.tensor(sink))] if sink is not None else []
         o = op.PagedAttentionInt8(q_THD, *outs, ctx.shared[BLOCK_TABLES], ctx.shared[SEQ_LENS],
-                                  ctx.shared[CU_SEQLENS_Q], _domain=DOMAIN, **attrs)
+                                  ctx.shared[CU_SEQLENS_Q], *extra, _domain=DOMAIN, **attrs)
         y = op.Reshape(o, _ints(op, [1, -1, hq * d]))
         graph.insert_before(node, tape.nodes)
         old = node.outputs[0]
@@ -593,7 +760,7 @@ def _emit_gqa_prefill(ctx: _Ctx, node: ir.Node, spec) -> None:
     -> [B, H, S, D]; padding comes from the attention_bias the probe classified. The node's
     present outputs become the rotated K and the V, [B, Hkv, S, D], as GQA writes them."""
     graph = ctx.model.graph
-    q, k, v, hq, hkv, d, scale, rotary, kind = spec
+    q, k, v, hq, hkv, d, scale, rotary, kind, (window, softcap, sink) = spec
     tape = ir.tape.Tape()
     op = _TapeOp(tape)
     if k is None:  # packed QKV [B, S, (Hq + 2 Hkv) * D]
@@ -608,7 +775,7 @@ def _emit_gqa_prefill(ctx: _Ctx, node: ir.Node, spec) -> None:
         q_BSHD, k_BSHD = _rotate_half(op, q_BSHD, cos, sin, d), _rotate_half(op, k_BSHD, cos, sin, d)
     to_BHSD = lambda x: op.Transpose(x, perm=[0, 2, 1, 3])
     k_BHSD, v_BHSD = to_BHSD(k_BSHD), to_BHSD(v_BSHD)
-    a = _Attn(to_BHSD(q_BSHD), k_BHSD, v_BHSD, None, None, hq, hkv, d, scale, kind)
+    a = _Attn(to_BHSD(q_BSHD), k_BHSD, v_BHSD, None, None, hq, hkv, d, scale, kind, window, softcap, sink)
     o_BHSD = _emit(op, ctx, a)
     y = op.Reshape(to_BHSD(o_BHSD), _ints(op, [0, 0, hq * d]))
     graph.insert_before(node, tape.nodes)
@@ -643,8 +810,6 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
     if not prefill and (past_k not in ctx.past_layer or past_v not in ctx.past_layer):
         raise MatchFailureError("GroupQueryAttention without the model's past_key/past_value inputs "
                                 "in a KV-cache model")
-    if ins[11] is not None:
-        raise MatchFailureError("GroupQueryAttention with head_sink is not supported")
     if ins[10] is not None and not prefill:
         raise MatchFailureError("GroupQueryAttention with attention_bias is not supported")
     if prefill:
@@ -657,11 +822,24 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
                                     "every row (padding through seqlens_k is not supported)")
     a = node.attributes
     get = lambda name, default: a[name].value if name in a else default
-    if int(get("local_window_size", -1)) != -1:
-        raise MatchFailureError(f"sliding window (local_window_size={get('local_window_size', -1)}) "
-                                "cannot be expressed by the paged op")
-    if float(get("softcap", 0.0)) != 0.0 or int(get("smooth_softmax", 0)) != 0 or int(get("qk_output", 0)) != 0:
-        raise MatchFailureError("softcap / smooth_softmax / qk_output are not supported")
+    # onnxruntime's GroupQueryAttention: local_window_size W lets the query at p see keys
+    # p - W < k <= p (the op's window; tests/rewrite/test_attention_variants_rewrite.py runs the
+    # node on onnxruntime against that), softcap and head_sink [Hq] as the op's
+    lws = int(get("local_window_size", -1))
+    if lws == 0 or lws < -1:
+        raise MatchFailureError(f"local_window_size={lws} (expected -1 or a positive window)")
+    window = max(lws, 0)
+    softcap = float(get("softcap", 0.0))
+    if softcap < 0 or not math.isfinite(softcap):
+        raise MatchFailureError(f"softcap={softcap} (expected 0 or a finite positive value)")
+    if int(get("smooth_softmax", 0)) != 0 or int(get("qk_output", 0)) != 0:
+        raise MatchFailureError("smooth_softmax / qk_output are not supported")
+    sink = None
+    if ins[11] is not None:
+        arr = g.const_array(ins[11])
+        if arr is None or arr.size != int(get("num_heads", 0)) or not np.all(np.isfinite(arr)):
+            raise MatchFailureError("head_sink is not a finite constant with one value per query head")
+        sink = np.asarray(arr, np.float32).reshape(-1)
     hq, hkv = int(get("num_heads", 0)), int(get("kv_num_heads", 0))
     if prefill:  # D from the query's width: [B, S, Hq*D], or packed [B, S, (Hq + 2 Hkv)*D]
         width = _dim(ctx, q, 2)
@@ -700,9 +878,11 @@ def _decode_gqa(ctx: _Ctx, node: ir.Node):
         if o is not None and o.uses():
             raise MatchFailureError(f"present output '{o.name}' is used inside the graph")
     if prefill:
-        kind = _mask_kind(ins[10], ctx) if ins[10] is not None else "causal"
-        return q, k, v, hq, hkv, d, scale, rotary, kind
-    return q, k, v, hq, hkv, d, scale, rotary
+        kind, bias_window = _mask_kind(ins[10], ctx) if ins[10] is not None else ("causal", 0)
+        # a key is seen when both the bias and local_window_size show it: the shorter window
+        window = min(w for w in (window, bias_window) if w) if window or bias_window else 0
+        return q, k, v, hq, hkv, d, scale, rotary, kind, (window, softcap, sink)
+    return q, k, v, hq, hkv, d, scale, rotary, (window, softcap, sink)
 
 
 def _remove_if_dead(graph: ir.Graph, node: ir.Node) -> None:
@@ -768,7 +948,7 @@ def _looks_like_attention(softmax: ir.Node) -> bool:
             if all(i is not None and g.const_array(i) is None for i in node.inputs[:2]):
                 return True
             continue
-        if node.op_type in ("Add", "Mul", "Div", "Where", "Cast", "Sub"):
+        if node.op_type in ("Add", "Mul", "Div", "Where", "Cast", "Sub", "Tanh", "Concat", "ReduceMax"):
             stack.extend((i, depth + 1) for i in node.inputs if i is not None and g.const_array(i) is None)
     return False
 
@@ -907,7 +1087,8 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     if paged:
         _prepare_paged_io(ctx, present_names)
 
-    rules = pattern.RewriteRuleSet([MatMulSoftmaxAttention.rule(ctx)], commute=True)
+    rules = pattern.RewriteRuleSet([MatMulSoftmaxAttention.rule(ctx), MatMulSinkSoftmaxAttention.rule(ctx)],
+                                   commute=True)
     fused = rules.apply_to_model(work)
     fused += _fuse_onnx_attention(ctx)
     fused += _fuse_gqa(ctx)
@@ -937,7 +1118,8 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     model.graph = work.graph  # opset imports live on the graph in onnx_ir
     model.metadata_props.update(work.metadata_props)
     result.fused = fused
-    result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms)}
+    result.details = {"interface": "paged" if paged else "prefill", "forms": dict(ctx.forms),
+                      "blocks": sorted(ctx.fused_attrs, key=lambda b: -1 if b["layer"] is None else b["layer"])}
     if ctx.shared.get("positions_rerouted"):
         # what the graph computed from the cache length now reads position_ids
         result.details["positions"] = "position_ids (the graph computed them from the cache length)"
