@@ -1078,7 +1078,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
         except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
             probes2 = {}
     ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
-               probe_error, proto=_without_large_initializers(ir.serde.serialize_model(work)))
+               probe_error, proto=_without_large_initializers(work))
     for v in work.graph.inputs:
         if "attention_mask" in (v.name or ""):
             ctx.shared["attention_mask"] = v
@@ -1126,14 +1126,28 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     return result
 
 
-def _without_large_initializers(proto, limit: int = 1 << 20):
-    """The model minus initializers over ``limit`` bytes: what the long mask probe needs (mask
-    plumbing reads shapes and small constants, never a weight matrix; if it did, the probe fails
-    and the mask is declined as unverifiable) without keeping a second copy of the weights."""
-    keep = [t for t in proto.graph.initializer if len(t.raw_data) <= limit]
-    if len(keep) != len(proto.graph.initializer):
-        del proto.graph.initializer[:]
-        proto.graph.initializer.extend(keep)
+def _without_large_initializers(model: ir.Model, limit: int = 1 << 20):
+    """The model as a ModelProto minus initializers over ``limit`` bytes: what the long mask probe
+    needs (mask plumbing reads shapes and small constants, never a weight matrix; if it did, the
+    probe fails and the mask is declined as unverifiable) without keeping a second copy of the
+    weights. Small initializers kept in an external file are read into the proto: a session given
+    bytes cannot resolve external files."""
+    import onnx
+
+    proto = ir.serde.serialize_model(model)
+    keep = []
+    for t in proto.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            value = model.graph.initializers.get(t.name)
+            tensor = value.const_value if value is not None else None
+            if tensor is None or tensor.nbytes > limit:
+                continue
+            t = ir.serde.serialize_tensor(ir.Tensor(tensor.numpy(), dtype=tensor.dtype, name=t.name))
+        elif len(t.raw_data) > limit:
+            continue
+        keep.append(t)
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
     return proto
 
 

@@ -118,17 +118,21 @@ def test_fixture_form_fused(name):
         assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
 
 
-def test_model_with_external_data_is_probed_from_a_file(tmp_path):
-    """A model whose weights live in an external file (every export over 2 GB) fuses: the mask
-    probe saves it to a temporary folder with its data, since onnxruntime refuses a model given
-    as bytes whose tensors name external files."""
+@pytest.mark.parametrize("name", ["tx_sdpa_kv", "mistral_window_kv"])
+def test_model_with_external_data_is_probed_from_a_file(tmp_path, name):
+    """A model whose tensors all live in an external file (exports over 2 GB) fuses, its window
+    measured: the probes save it to a temporary folder with its data, and the mask probe reads the
+    small external constants inline, since onnxruntime refuses a model given as bytes whose
+    tensors name external files."""
     src = tmp_path / "model.onnx"
-    ir.save(ir.load(_path("tx_sdpa_kv")), str(src), external_data="model.onnx.data")
+    ir.save(ir.load(_path(name)), str(src), external_data="model.onnx.data", size_threshold_bytes=0)
     model = ir.load(str(src))
-    assert any(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
+    assert all(isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values())
     _, results = rewrite_model(model, block_size=16)
     att = next(r for r in results if r.kind == "attention")
     assert att.fused == LAYERS, [(d.where, d.reason) for d in att.declined]
+    if name == "mistral_window_kv":
+        assert [b["window"] for b in att.details["blocks"]] == [24] * LAYERS
 
 
 @pytest.mark.parametrize("name", KV_FIXTURES)
