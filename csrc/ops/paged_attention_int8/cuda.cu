@@ -7,11 +7,10 @@
 // One CTA (8 warps; 4 at D 32) = one row tile x one kv head x one split of the keys. A row tile
 // is up to 16 (query, q head) rows that read the same kv head: decode puts the GQA group of one
 // query there, so every K/V byte read serves the whole group; prefill packs 16 / G queries x G
-// heads. A split
-// is a run of partition_size-key partitions (the launcher picks the split count by a wave
-// model; one split per row tile when that fills the GPU, as at batch 32). The CTA streams its
-// keys in stages of KT keys (128; 64 for D 256) through shared memory with cp.async 16-byte
-// copies, two stages in flight, and for each stage:
+// heads. A split is a run of partition_size-key partitions (the launcher picks the split count
+// by a wave model; one split per row tile when that fills the GPU, as at batch 32). The CTA
+// streams its keys in stages of KT keys (128; 64 for D 256) through shared memory with cp.async
+// 16-byte copies, two stages in flight, and for each stage:
 //   phase 1  Q.K on m16n8k32 s8: lane (g, t) reads D/4 consecutive bytes of key row g of an
 //            8-key tile and the A fragment holds the same d slice of Q; the d order inside the
 //            MMA is a relabelling of the reduction axis, so the dot product is unchanged.
@@ -20,8 +19,8 @@
 //            across stages; a group's codes do not change under a common factor, DESIGN.md)
 //   phase 3  e = exp(s - m_stage), W = e * sV, per 32-key group max -> codes rint(W * L / max),
 //            group scale max / L * beta; row sums kept per thread.
-//   phase 4  P.V on m16n8k32 (s8 x s8 or u8 x s8): warp w owns D/W output columns (W warps); lane (g, t)
-//            reads V keys 16t..16t+15 of column g (one 16-byte read of the token-innermost
+//   phase 4  P.V on m16n8k32 (s8 x s8 or u8 x s8): warp w of W owns D/W output columns; lane
+//            (g, t) reads V keys 16t..16t+15 of column g (one 16-byte read of the token-innermost
 //            layout) and swaps halves with lane t^2 so that MMA i consumes exactly keys
 //            32i..32i+31 of the 64-key tile (fragment_map.h, proven by tests/test_fragments.py).
 //            Each group's int32 sum is scaled by its own group scale (V scales were folded
@@ -104,7 +103,6 @@ struct Cfg {
   static constexpr int bytes(bool fp16) { return misc_off(fp16) + (2 * W * kRows + 6 * kRows) * 4; }
 };
 static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= kSm90SmemPerSm, "three decode CTAs per SM (D 128, int8 P.V)");
-static_assert(Cfg<32, 16>::W == 4 && Cfg<64, 16>::W == 8, "D 32: one n-tile per warp in P.V");
 
 struct Work {
   int s, h, ht, qtile, split;
@@ -612,7 +610,7 @@ struct WCfg {
 // The warp-decode shape a head dim runs (warps per CTA, ring slots per warp). D 128: 4 warps with
 // 2-slot rings, so three CTAs (12 warps) fit an SM; the best of the shapes swept (4 x 3, 6 x 2,
 // 12 x 2, 8 x 3; benchmarks/NOTES_attention_cuda.md). D 64 keeps 4 x 3 (three CTAs fit), and D 32
-// takes the same (its stages are smaller still; nothing else in the kernel depends on D >= 64).
+// takes the same (smaller stages; at D 32 a lane's K slice is one 8-byte read, load_k_slice).
 template <int D>
 struct WarpShape {
   static constexpr int DW = 4;
