@@ -2,8 +2,8 @@
 """PagedAttentionInt8: causal attention over the paged INT8 KV cache (DESIGN.md).
 
 Alphabet: T query tokens, S sequences, Hq query heads, Hkv kv heads (Hq % Hkv == 0), D head dim
-(32, 64, 80, 96, 128 or 256; the CUDA EP 64, 128, 256), N cache blocks, B block size (power of two, 8..256), M max blocks per
-sequence.
+(32, 64, 80, 96, 128 or 256; the CUDA EP 32, 64, 128, 256), N cache blocks, B block size (power
+of two, 8..256), M max blocks per sequence.
 
 Inputs:
     query         float32/float16 [T, Hq, D]

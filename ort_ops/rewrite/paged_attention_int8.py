@@ -63,7 +63,7 @@ from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.rewrite import _graph as g
 from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA EP refuses 32, 80, 96 by name
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA EP refuses 80, 96 by name
 # The paged model's inputs, outputs and metadata: the contract with the runtime.
 from ort_ops.paged_interface import (  # noqa: E402
     BLOCK_TABLES, CACHE_PARTS, CU_SEQLENS_Q, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, STEP_TABLES,

@@ -7,7 +7,9 @@ partitions of 256 keys and `base` CTAs per split (sequences x kv heads), each sp
 whose partitions divide evenly costs ceil(base * ns / (SMs * CTAs per SM)) waves of
 (keys per CTA + 128); the cheapest wins, fewer splits on ties. The decode kernel's CTA for
 D 128 takes 72,000 bytes of shared memory (+1 KB reserved): 2 fit on an H200 (228 KB, the model
-caps decode at 2) or an A100 (164 KB), 1 on an L4 (100 KB).
+caps decode at 2) or an A100 (164 KB), 1 on an L4 (100 KB). For D 32 it takes 34,112 bytes: 2
+(the cap) fit on all three. The general kernel's CTA for D 32 with 16 rows (4 warps) takes 30,848
+bytes, and its launch bound allows 2 a SM: 2 on all three.
 """
 
 from __future__ import annotations
@@ -44,8 +46,27 @@ def test_decode_split_count_for_other_gpus(gpu, batch, want):
     assert _plan(batch, 4096, *gpu) == want
 
 
+@pytest.mark.parametrize("gpu,batch,hkv,want", [
+    # Decode kernel (G 4): as D 128 where 2 CTAs a SM fit both; on an L4, 2 fit instead of 1.
+    (H200, 1, 8, 16),
+    (H200, 32, 8, 1),
+    (L4, 1, 8, 8),   # 116 a wave: 8 splits of 512 keys are one wave (64 CTAs); 16 would take two
+    (L4, 32, 8, 4),  # 256 CTAs a split: 4 splits in 9 waves of 1024 keys beat 2 in 5 of 2048
+    # General kernel (G 16, 2 CTAs a split at batch 1, 64 at batch 32).
+    (H200, 1, 2, 16),
+    (H200, 32, 2, 4),  # 264 a wave: 4 splits in one wave of 1024 keys
+    (A100, 32, 2, 3),  # 216 a wave: 3 splits in one wave of 1536 keys beat 4 in two of 1024
+    (L4, 32, 2, 8),    # 116 a wave: 8 splits in 5 waves of 512 keys
+], ids=["h200-b1", "h200-b32", "l4-b1", "l4-b32", "general-h200-b1", "general-h200-b32",
+        "general-a100-b32", "general-l4-b32"])
+def test_head_dim_32_split_count(gpu, batch, hkv, want):
+    """D 32 (32 q heads): the decode kernel at 8 kv heads, the general kernel at 2 (G 16)."""
+    assert _plan(batch, 4096, *gpu, hkv=hkv, d=32) == want
+
+
 def test_unsupported_dims_and_limits_are_refused():
     assert _plan(1, 4096, 132, 233472, d=96) == -1
+    assert _plan(1, 4096, 132, 233472, d=16) == -1
     assert _plan(1, 4096, 0, 233472) == -1
 
 

@@ -170,6 +170,12 @@ DECODE_CASES = [
     # Blocks >= 64: two warps share each 64-key stage (each copies half of the V rows, whole rows);
     # lengths that leave the second warp of the last pair without keys (2049, 129) or with a few.
     ([2049, 95, 160, 129], 8, 2, 128, 128),
+    # D 32: the decode kernel (8-byte K slices per lane) with 16-key half stages, with VROWS pair
+    # stages, G 1; the general kernel with 4 warps (G 16: one 16-row tile).
+    ([1, 7, 129, 1025], 8, 2, 32, 16),
+    ([2049, 95, 160, 129], 8, 2, 32, 128),
+    ([257, 33], 4, 4, 32, 32),
+    ([700, 5, 64], 32, 2, 32, 64),
 ]
 
 
@@ -197,7 +203,7 @@ def test_partition_size_changes_nothing_beyond_rounding(rng, partition_size, blo
 
 
 @pytest.mark.parametrize("pv_quant", ["s8", "none"])
-@pytest.mark.parametrize("d,b", [(128, 64), (64, 32)])
+@pytest.mark.parametrize("d,b", [(128, 64), (64, 32), (32, 16)])
 def test_decode_running_max_jumps(rng, d, b, pv_quant):
     """Scores that climb by ~90 (log2 units) along sequence 0 and sit far below an early spike in
     sequence 1: the decode kernel rescales O and l only when a row's max passes its reference by
@@ -249,7 +255,8 @@ def test_code_factor_saturates_for_tiny_weights(rng, pv_quant):
 
 
 @pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
-@pytest.mark.parametrize("hq,hkv,d,b", [(8, 2, 128, 16), (4, 1, 64, 32), (6, 2, 256, 64), (1, 1, 128, 16)])
+@pytest.mark.parametrize("hq,hkv,d,b", [(8, 2, 128, 16), (4, 1, 64, 32), (6, 2, 256, 64), (1, 1, 128, 16),
+                                        (8, 2, 32, 16), (32, 2, 32, 64), (2, 2, 32, 32)])
 def test_prefill_with_history_matches_reference(rng, hq, hkv, d, b, pv_quant):
     q_lens = [7, 1, 40]
     lens = [7 + 300, 1, 40 + 95]  # history of 300, none, 95
@@ -407,14 +414,15 @@ def test_cuda_ep_quantize_then_attend(cuda_ep, rng):
             assert np.array_equal(g.view(np.uint8), w_.view(np.uint8))
 
 
+@pytest.mark.parametrize("d", [128, 32])
 @pytest.mark.parametrize("pv_quant", ["s8", "none"])
-def test_decode_kernel_takes_cu_seqlens_when_one_query_each(rng, pv_quant):
+def test_decode_kernel_takes_cu_seqlens_when_one_query_each(rng, pv_quant, d):
     """decode_with_cu (what the CUDA op sets when T == S with cu_seqlens_q, every decode step of a
     rewritten model): one row per sequence runs the decode kernel on cu_seqlens_q and matches the
     reference; a T == S step that is not one row each (a sequence of 2 and one of 0, which the
     contract refuses) is flagged with its own bit and computes nothing; a bad cu_seqlens_q is
     still flagged as such."""
-    lens, hq, hkv, d, b = [300, 1025, 64], 8, 2, 128, 64
+    lens, hq, hkv, b = [300, 1025, 64], 8, 2, 64
     query, cache, _ = _make_case(rng, lens, [1, 1, 1], hq, hkv, d, b, "float16", decode=True)
     cu = np.arange(4, dtype=np.int32)
     want, step = _ref(query, cache, cu, pv_quant=pv_quant)
@@ -430,14 +438,15 @@ def test_decode_kernel_takes_cu_seqlens_when_one_query_each(rng, pv_quant):
     assert status & 4, status
 
 
-def test_cuda_ep_decode_steps_with_cu_seqlens(cuda_ep, rng):
+@pytest.mark.parametrize("d", [128, 32])
+def test_cuda_ep_decode_steps_with_cu_seqlens(cuda_ep, rng, d):
     """A rewritten model passes cu_seqlens_q on every step: on the CUDA EP a one-row-each step runs
     the decode kernel and equals the reference; a T == S step that is not one row each (a sequence
     without query rows, which the contract refuses) is reported as a bad cu_seqlens_q, and the
     session then answers the good step again."""
     from ort_ops.ops import paged_attention_int8 as pa_mod
 
-    lens, hq, hkv, d, b = [300, 77, 1030], 8, 2, 128, 64
+    lens, hq, hkv, b = [300, 77, 1030], 8, 2, 64
     query, cache, cu = _make_case(rng, lens, [1, 1, 1], hq, hkv, d, b, "float16", decode=False)
     feeds = {"query": query, **{k: cache[k] for k in ("key_cache", "value_cache", "key_scale", "value_scale",
                                                       "block_tables", "seq_lens")}, "cu_seqlens_q": cu}
@@ -573,13 +582,14 @@ def test_prefill_ignores_nan_scales_past_seq_len(monkeypatch, rng, b, pv_quant, 
 
 # ---------------------------------------------------------------- many splits; the op's status word
 
+@pytest.mark.parametrize("d", [128, 32])
 @pytest.mark.parametrize("pv_quant", ["s8", "none"])
-def test_decode_many_splits(rng, pv_quant):
+def test_decode_many_splits(rng, pv_quant, d):
     """Decode with 32-key partitions split 64 and 66 ways (and 40 / 3 / auto): the merge kernel's
     batches of splits, split starts that are and are not 64-aligned (the shared 64-key stages and
     the per-warp ones), against the reference; the same launch three times over one workspace with
     the output poisoned in between, so that a merge reading a stale partial would show."""
-    hq, hkv, d, b = 8, 2, 128, 64
+    hq, hkv, b = 8, 2, 64
     for lens, splits in (([2048, 700, 33], (64, 40, 3, 0)), ([2100, 65, 1], (66, 64))):
         query, cache, _ = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, "float16", decode=True)
         want, step = _ref(query, cache, None, pv_quant=pv_quant, partition_size=32)
@@ -636,7 +646,7 @@ def test_status_word_in_mapped_host_memory(rng):
 
 
 # ---------------------------------------------------------------- window, softcap, head_sink (DESIGN.md)
-# Every kernel: decode_warp_kernel (G <= 8, D 64 / 128), the general kernel (D 256, G 16; and
+# Every kernel: decode_warp_kernel (G <= 8, D 32 / 64 / 128), the general kernel (D 256, G 16; and
 # prefill with ORT_OPS_PA_PREFILL=general), the prefill kernel; with and without key splits (the
 # sink joins the final denominator, or the merge kernel's).
 
@@ -658,6 +668,9 @@ WINDOW_DECODE_CASES = [
     ([700, 5], 16, 2, 256, 16, 100),              # general kernel (D 256)
     ([96, 2000], 32, 1, 128, 64, 1000),           # general kernel (G 32)
     ([1300, 31], 8, 1, 128, 256, 5000),           # window longer than every context
+    ([1, 7, 129, 1025], 8, 2, 32, 16, 70),        # warp decode, D 32, B 16
+    ([2049, 95, 160, 129], 8, 2, 32, 128, 300),   # warp decode, D 32, VROWS
+    ([700, 5, 300], 32, 2, 32, 64, 100),          # general kernel, D 32 (G 16)
 ]
 
 
@@ -681,7 +694,7 @@ def test_decode_window_softcap_sink(rng, case, pv_quant):
 
 
 @pytest.mark.parametrize("kind", ["pos_large", "neg_large", "mixed"])
-@pytest.mark.parametrize("d,b", [(128, 64), (256, 16)])
+@pytest.mark.parametrize("d,b", [(128, 64), (256, 16), (32, 64)])
 def test_decode_sink_with_and_without_splits(rng, kind, d, b):
     """Sinks far above the scores (+30: outputs shrink by ~e^-30; the bound is relative to the
     reference's own output) and far below (-30: no effect), merged by the split merge or not."""
@@ -719,7 +732,7 @@ def _poison_before_window(cache, lens, q_lens, window, how):
 
 @pytest.mark.parametrize("how", ["table", "cache"])
 @pytest.mark.parametrize("kernel", ["prefill", "general"])
-@pytest.mark.parametrize("d,b", [(128, 16), (128, 64), (64, 32), (256, 16)])
+@pytest.mark.parametrize("d,b", [(128, 16), (128, 64), (64, 32), (256, 16), (32, 16)])
 def test_window_reads_nothing_before_it(monkeypatch, rng, d, b, kernel, how):
     """DESIGN.md: block-table entries of blocks wholly before the window, and those blocks, are
     never read (decode: not even launched). Poisoned, nothing is flagged and the output equals
@@ -763,6 +776,38 @@ def test_prefill_window_softcap_sink(monkeypatch, rng, case, pv_quant, kernel):
                          f"{kernel} {dtype} {attrs} splits={split} P={part}")
 
 
+PREFILL_D32_CASES = [
+    # (q lens, history lens, Hq, Hkv, D, B) for D 32, which the prefill kernel does not take: the
+    # general kernel with 4 warps, 16-row tiles (G 4: 4 queries x 4 heads; G 16: one query) and
+    # the 8-row instance (G 1 with 5 query rows in all).
+    ([70, 1, 33, 130], [300, 1000, 0, 61], 8, 2, 32, 64),
+    ([129, 1, 40], [95, 700, 257], 32, 2, 32, 16),
+    ([3, 2], [500, 40], 2, 2, 32, 32),
+]
+
+
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("case", PREFILL_D32_CASES,
+                         ids=lambda c: f"q{'-'.join(map(str, c[0]))}-h{c[2]}x{c[3]}-d{c[4]}-b{c[5]}")
+def test_head_dim_32_prefill(rng, case, pv_quant):
+    """D 32 prefill on the general kernel against the reference: plain, and with window, softcap
+    and head_sink; with and without key splits (split starts off 64 with partition 96)."""
+    q_lens, hist, hq, hkv, d, b = case
+    lens = [q + h for q, h in zip(q_lens, hist)]
+    dtype = "float16" if rng.integers(2) else "float32"
+    query, cache, cu = _make_case(rng, lens, q_lens, hq, hkv, d, b, dtype, decode=False)
+    sink = _sinks(rng, hq, "mixed")
+    for attrs, hs in (({}, None), ({"window": 45}, sink), ({"window": 129, "softcap": 5.0}, sink),
+                      ({"softcap": 0.5}, None)):
+        want, step = _ref(query, cache, cu, pv_quant=pv_quant, head_sink=hs, **attrs)
+        for split, part in ((0, 256), (2, 256), (3, 96)):
+            got, status = _run_extras(query, cache, cu, hs, pv_quant=pv_quant, num_splits=split,
+                                      partition_size=part, **attrs)
+            assert status == 0, _cuda.PA_STATUS.get(status, status)
+            _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype,
+                         f"{dtype} {attrs} sink={hs is not None} splits={split} P={part}")
+
+
 def test_cuda_ep_window_softcap_sink(cuda_ep, rng):
     """The attributes and the head_sink input reach the kernels through the CUDA EP (cuda_op.cc):
     decode and prefill sessions against the reference; a negative window fails the session."""
@@ -787,7 +832,7 @@ def test_cuda_ep_window_softcap_sink(cuda_ep, rng):
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 32])
 def test_non_finite_sink_is_flagged(rng, d, split):
     """A NaN/Inf sink (checked on the host by the CPU op) is flagged by the kernel that adds it to
     the denominator: the write path with one split, the merge kernel with several."""

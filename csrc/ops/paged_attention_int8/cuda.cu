@@ -2,15 +2,15 @@
 // PagedAttentionInt8 kernels for NVIDIA tensor cores (sm_80+: mma.sync m16n8k32 s8/u8).
 // Spec: ort_ops/ops/paged_attention_int8.py; launcher contract: cuda.cuh.
 //
-// Decode with G <= 8 and D 64 / 128 runs decode_warp_kernel (below: warps with their own key
+// Decode with G <= 8 and D 32 / 64 / 128 runs decode_warp_kernel (below: warps with their own key
 // stages, no CTA barrier per stage); everything else runs paged_attention_kernel, described here.
-// One CTA (8 warps) = one row tile x one kv head x one split of the keys. A row tile is up to 16
-// (query, q head) rows that read the same kv head: decode puts the GQA group of one query there,
-// so every K/V byte read serves the whole group; prefill packs 16 / G queries x G heads. A split
-// is a run of partition_size-key partitions (the launcher picks the split count by a wave
-// model; one split per row tile when that fills the GPU, as at batch 32). The CTA streams its
-// keys in stages of KT keys (128; 64 for D 256) through shared memory with cp.async 16-byte
-// copies, two stages in flight, and for each stage:
+// One CTA (8 warps; 4 at D 32) = one row tile x one kv head x one split of the keys. A row tile
+// is up to 16 (query, q head) rows that read the same kv head: decode puts the GQA group of one
+// query there, so every K/V byte read serves the whole group; prefill packs 16 / G queries x G
+// heads. A split is a run of partition_size-key partitions (the launcher picks the split count
+// by a wave model; one split per row tile when that fills the GPU, as at batch 32). The CTA
+// streams its keys in stages of KT keys (128; 64 for D 256) through shared memory with cp.async
+// 16-byte copies, two stages in flight, and for each stage:
 //   phase 1  Q.K on m16n8k32 s8: lane (g, t) reads D/4 consecutive bytes of key row g of an
 //            8-key tile and the A fragment holds the same d slice of Q; the d order inside the
 //            MMA is a relabelling of the reduction axis, so the dot product is unchanged.
@@ -19,8 +19,8 @@
 //            across stages; a group's codes do not change under a common factor, DESIGN.md)
 //   phase 3  e = exp(s - m_stage), W = e * sV, per 32-key group max -> codes rint(W * L / max),
 //            group scale max / L * beta; row sums kept per thread.
-//   phase 4  P.V on m16n8k32 (s8 x s8 or u8 x s8): warp w owns D/8 output columns; lane (g, t)
-//            reads V keys 16t..16t+15 of column g (one 16-byte read of the token-innermost
+//   phase 4  P.V on m16n8k32 (s8 x s8 or u8 x s8): warp w of W owns D/W output columns; lane
+//            (g, t) reads V keys 16t..16t+15 of column g (one 16-byte read of the token-innermost
 //            layout) and swaps halves with lane t^2 so that MMA i consumes exactly keys
 //            32i..32i+31 of the 64-key tile (fragment_map.h, proven by tests/test_fragments.py).
 //            Each group's int32 sum is scaled by its own group scale (V scales were folded
@@ -76,8 +76,9 @@ struct Cfg {
   // resident per SM (while one CTA waits at a barrier, the others issue: more resident CTAs beat
   // one CTA of 16 warps with longer stages; benchmarks/NOTES_attention_cuda.md). R = rows of
   // the row tile (8 for decode with G <= 8, else 16) sizes the score/code buffers, so that a
-  // decode CTA fits three to an SM (<= 76 KB of shared memory, <= 85 registers).
-  static constexpr int W = 8;
+  // decode CTA fits three to an SM (<= 76 KB of shared memory, <= 85 registers). D 32 takes 4
+  // warps: P.V gives each warp whole 8-column n-tiles of the output, and D 32 has only 4.
+  static constexpr int W = D >= 64 ? 8 : 4;
   static constexpr int THREADS = 32 * W;
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : (R <= 8 ? 3 : 2);
   static constexpr int KT = D >= 256 ? 64 : 128;  // keys per stage
@@ -336,7 +337,7 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const int nt = warp + kWarps * u;
       if (nt >= n8) break;  // warp-uniform
       uint32_t kw[QW];
-      load_words<D / 64>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
+      load_k_slice<D>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
       int acc[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int c = 0; c < D / 32; ++c)
@@ -608,13 +609,15 @@ struct WCfg {
 };
 // The warp-decode shape a head dim runs (warps per CTA, ring slots per warp). D 128: 4 warps with
 // 2-slot rings, so three CTAs (12 warps) fit an SM; the best of the shapes swept (4 x 3, 6 x 2,
-// 12 x 2, 8 x 3; benchmarks/NOTES_attention_cuda.md). D 64 keeps 4 x 3 (three CTAs fit).
+// 12 x 2, 8 x 3; benchmarks/NOTES_attention_cuda.md). D 64 keeps 4 x 3 (three CTAs fit), and D 32
+// takes the same (smaller stages; at D 32 a lane's K slice is one 8-byte read, load_k_slice).
 template <int D>
 struct WarpShape {
   static constexpr int DW = 4;
   static constexpr int NS = D <= 64 ? 3 : 2;
 };
-static_assert(WCfg<128, 4, 2>::MIN_BLOCKS == 3 && WCfg<64, 4, 3>::MIN_BLOCKS == 3, "three warp-decode CTAs per SM");
+static_assert(WCfg<128, 4, 2>::MIN_BLOCKS == 3 && WCfg<64, 4, 3>::MIN_BLOCKS == 3 && WCfg<32, 4, 3>::MIN_BLOCKS == 3,
+              "three warp-decode CTAs per SM");
 
 // Named barrier of warps 2p and 2p+1 (ids 1 and 2 as immediates: a register id makes ptxas
 // reserve all 16).
@@ -870,7 +873,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t kw[QW];
-      load_words<D / 64>(st + kof + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
+      load_k_slice<D>(st + kof + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
       acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) mma_i8<false>(acc[j], qa[2 * c], 0u, qa[2 * c + 1], 0u, kw[2 * c], kw[2 * c + 1]);
@@ -1148,6 +1151,7 @@ int resident_ctas(bool rows16, bool fp16_codes, int smem_per_sm) {  // per SM: s
 
 int resident_ctas(int head_dim, bool rows16, bool fp16_codes, int smem_per_sm) {
   switch (head_dim) {
+    case 32: return resident_ctas<32>(rows16, fp16_codes, smem_per_sm);
     case 64: return resident_ctas<64>(rows16, fp16_codes, smem_per_sm);
     case 128: return resident_ctas<128>(rows16, fp16_codes, smem_per_sm);
     default: return resident_ctas<256>(rows16, fp16_codes, smem_per_sm);
@@ -1155,18 +1159,20 @@ int resident_ctas(int head_dim, bool rows16, bool fp16_codes, int smem_per_sm) {
 }
 
 int warp_decode_ctas_per_sm(int head_dim, int smem_per_sm) {
+  using C32 = WCfg<32, WarpShape<32>::DW, WarpShape<32>::NS>;
   using C64 = WCfg<64, WarpShape<64>::DW, WarpShape<64>::NS>;
   using C128 = WCfg<128, WarpShape<128>::DW, WarpShape<128>::NS>;
-  return head_dim <= 64 ? fit_per_sm(C64::MIN_BLOCKS, C64::BYTES, smem_per_sm)
-                        : fit_per_sm(C128::MIN_BLOCKS, C128::BYTES, smem_per_sm);
+  return head_dim <= 32   ? fit_per_sm(C32::MIN_BLOCKS, C32::BYTES, smem_per_sm)
+         : head_dim <= 64 ? fit_per_sm(C64::MIN_BLOCKS, C64::BYTES, smem_per_sm)
+                          : fit_per_sm(C128::MIN_BLOCKS, C128::BYTES, smem_per_sm);
 }
 
-// Decode launches (no cu_seqlens_q, or decode_with_cu) with G <= 8 and D 64 / 128 run
+// Decode launches (no cu_seqlens_q, or decode_with_cu) with G <= 8 and D 32 / 64 / 128 run
 // decode_warp_kernel; other launches with cu_seqlens_q never do, so the workspace for
 // max_q_len == 1 and T == S is sized for both (the caller does not say whether cu comes).
 bool warp_decode_shape(const PagedAttentionParams& p) {
   return p.max_q_len == 1 && p.num_tokens == p.num_seqs && p.num_heads / p.num_kv_heads <= 8 &&
-         (p.head_dim == 64 || p.head_dim == 128);
+         (p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128);
 }
 bool use_warp_decode(const PagedAttentionParams& p) {
   return (p.cu_seqlens_q == nullptr || p.decode_with_cu) && warp_decode_shape(p);
@@ -1176,7 +1182,7 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode, const Devi
   TileShape ts;
   const int G = p.num_heads / p.num_kv_heads;
   // Prefill shapes of cuda_prefill.cu (D 64 / 128, G in {1, 2, 4, 8}, max_q_len * G >= 32): 64 rows a
-  // CTA, all G heads of 64 / G queries. D 256, other G and fewer rows keep the general kernel.
+  // CTA, all G heads of 64 / G queries. D 32 / 256, other G and fewer rows keep the general kernel.
   const bool prefill = !warp_decode && paged_attention_prefill_applies(p);
   ts.hpt = warp_decode || prefill ? G : std::min(G, kRows);
   ts.n_ht = warp_decode || prefill ? 1 : (G + kRows - 1) / kRows;
@@ -1290,8 +1296,8 @@ cudaError_t launch_d(const PagedAttentionParams& p, const TileShape& ts, cudaStr
 }  // namespace
 
 const char* paged_attention_unsupported(const PagedAttentionParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
-    return "head_dim must be one of {64, 128, 256} on CUDA";
+  if (p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)
+    return "head_dim must be one of {32, 64, 128, 256} on CUDA";
   if (p.block_size < 16 || (p.block_size & (p.block_size - 1)) != 0)
     return "block_size must be a power of two >= 16 on CUDA (16-byte V loads within one block)";
   if (p.partition_size <= 0 || p.partition_size % 32 != 0) return "partition_size must be a positive multiple of 32";
@@ -1348,6 +1354,7 @@ cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStrea
   q.log2_block_size = 0;
   while ((1 << q.log2_block_size) < q.block_size) ++q.log2_block_size;
   switch (p.head_dim) {
+    case 32: return launch_d<32>(q, ts, stream);
     case 64: return launch_d<64>(q, ts, stream);
     case 128: return launch_d<128>(q, ts, stream);
     case 256: return launch_d<256>(q, ts, stream);

@@ -8,7 +8,7 @@
 //   key_cache    int8 [N, Hkv, B, D]            value_cache int8 [N, Hkv, D, B] (token innermost)
 //   key_scale    float32 [N, Hkv, B]            value_scale float32 [N, Hkv, B]
 //   block_tables int32 [S, M]   seq_lens int32 [S]   cu_seqlens_q int32 [S + 1] or null (decode)
-// Supported here: D in {64, 128, 256}; B a power of two >= 16 (16-byte V loads of one block);
+// Supported here: D in {32, 64, 128, 256}; B a power of two >= 16 (16-byte V loads of one block);
 // qk_quant s8; pv_quant s8, u8 or none (float P.V twin on fp16 tensor cores); window, softcap
 // and head_sink as DESIGN.md defines them.
 #pragma once
@@ -93,7 +93,7 @@ DeviceLimits current_device_limits();
 int paged_attention_num_splits(const PagedAttentionParams& p, const DeviceLimits& lim);
 
 // Whether decode_with_cu takes effect for these parameters (the decode kernel's shapes: T == S,
-// max_q_len 1, G <= 8, D 64 or 128); when false the launch ignores it.
+// max_q_len 1, G <= 8, D 32, 64 or 128); when false the launch ignores it.
 bool paged_attention_decode_kernel_applies(const PagedAttentionParams& p);
 
 // Validates what a launch cannot check on the device; returns nullptr when supported, else a

@@ -106,6 +106,20 @@ __device__ __forceinline__ void load_words(const unsigned char* src, uint32_t (&
   }
 }
 
+// Lane quad index t's d slice of a K row (D/4 bytes, D/16 words): 16-byte reads, one 8-byte
+// read at D 32 (the slice starts at 8t in a row whose stride is a multiple of 16: aligned).
+template <int D>
+__device__ __forceinline__ void load_k_slice(const unsigned char* src, uint32_t (&w)[D / 16]) {
+  if constexpr (D >= 64) {
+    load_words<D / 64>(src, w);
+  } else {
+    static_assert(D == 32, "a d slice is 16-byte words or, at D 32, one 8-byte word pair");
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x;
+    w[1] = v.y;
+  }
+}
+
 // Loads lane quad index t's d slice (t * D/4 .. +D/4) of query row (token, head), zeros when
 // token < 0, and quantizes it bit-exactly as quantize_rows (the row's amax is reduced over the
 // 4 lanes of one g, so all 32 lanes must call): packed s8 codes in qa, the row scale in sq.

@@ -47,7 +47,8 @@ void check_cuda_attrs(const pa::Attrs& a) {
 
 // Head dims with a kernel instance; blocks of >= 16 keys for the 16-byte V loads of one block.
 void check_cuda_head_dim_and_block_size(int64_t D, int64_t B) {
-  if (D != 64 && D != 128 && D != 256) fail_unsupported(kOp, "(CUDA) head_dim must be one of {64, 128, 256}, got ", D);
+  if (D != 32 && D != 64 && D != 128 && D != 256)
+    fail_unsupported(kOp, "(CUDA) head_dim must be one of {32, 64, 128, 256}, got ", D);
   if (B < 16 || B > 256 || (B & (B - 1)) != 0)
     fail_unsupported(kOp, "(CUDA) block_size (dim 2 of input 'key_cache') must be a power of two in 16..256, got ", B);
 }
