@@ -348,7 +348,8 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
       wsg[4] = v3.x; wsg[5] = v3.y; wsg[6] = v3.z; wsg[7] = v3.w;
     }
     // This lane's bias row (col_ok: its 8 columns of each half exist), or nullptr.
-    const float* bias = p.bias != nullptr && col_ok ? p.bias + static_cast<int64_t>(e) * N : nullptr;
+    const float* bias =
+        p.bias != nullptr && col_ok ? p.bias + static_cast<int64_t>(e) * N : nullptr;
     if constexpr (MODE == kDequant) {
       // y[m, n] = ((float32(acc) * x_scale[m]) * w_scale[e, n]) + bias[e, n]; overflow gives Inf
       // (no error).
@@ -398,13 +399,16 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
             // products of physical column 8t + 4jj + i (see the B-operand note above).
             const int c = 4 * jj + i;
             const float ca = plus_bias(
-                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][i][2 * hh + jj]), xs), wsa[c]), bias, ocol + c);
+                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][i][2 * hh + jj]), xs), wsa[c]), bias,
+                ocol + c);
             const float cg = plus_bias(
                 __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][4 + i][2 * hh + jj]), xs), wsg[c]), bias,
                 half + ocol + c);
             if (r < rows && (!isfinite(ca) || !isfinite(cg))) nonfinite = true;
             const float v = activation_f32(p, ca, cg);
-            if (r < rows && !isfinite(v)) nonfinite = true;  // s * g overflowed: the reference refuses it
+            // s * g overflowed: the reference refuses it (padding rows r >= rows hold the bias
+            // alone and are never stored: they do not count).
+            if (r < rows && !isfinite(v)) nonfinite = true;
             s[mt][hh][c] = v;
             m = fmaxf(m, fabsf(v));
           }

@@ -35,7 +35,7 @@ constexpr int kGmsqMaxExperts = 1024;
 constexpr int kErrGroupList = 1;  // group_list decreasing, negative or ending past M
 constexpr int kErrNonFinite = 2;  // a dequantized C or S was NaN or Inf (no INT8 code)
 
-// GmsqParams::activation (the values of grouped_matmul::Activation, ops/grouped_matmul/activation.h).
+// GmsqParams::activation: grouped_matmul::Activation's values (ops/grouped_matmul/activation.h).
 constexpr int kGmsqActSwiglu = 0;
 constexpr int kGmsqActSwigluOai = 1;
 
@@ -95,9 +95,9 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t n, int64_t e);
 // status; the error bits are in p.err (or gmsq_error_word(workspace)) once the stream reaches them.
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
 // GroupedMatmulDequant (the down projection) on the same tiles: y_float [M, N] float32 =
-// (float32(acc) * x_scale) * w_scale (+ bias), zeros past the last group end; y, y_scale, y_offset are
-// unused. Same requirements, workspace and error word (kErrNonFinite is never set: Inf is a
-// valid float output there).
+// (float32(acc) * x_scale) * w_scale (+ bias), zeros past the last group end; y, y_scale,
+// y_offset are unused. Same requirements, workspace and error word (kErrNonFinite is never set:
+// Inf is a valid float output there).
 cudaError_t launch_gmd(const GmsqParams& p, cudaStream_t stream);
 inline int* gmsq_error_word(void* workspace) { return static_cast<int*>(workspace); }
 

@@ -29,14 +29,15 @@ namespace ort_ops::gmsq_cuda {
 using cuda_util::check_cuda;
 using cuda_util::OrtCudaScratch;
 
-// Validates inputs 0..5, allocates the outputs and runs the op (bias: the optional input 5,
-// its values unchecked on the device: DESIGN.md; act: GroupedMatmulSwigluQuant's activation). swiglu: GroupedMatmulSwigluQuant
-// (outputs y int8 [M, N/2], y_scale, y_offset), else GroupedMatmulDequant (y float32 [M, N]).
+// Validates inputs 0..5, allocates the outputs and runs the op (bias: the optional input 5, its
+// values unchecked on the host: DESIGN.md; act: GroupedMatmulSwigluQuant's activation).
+// swiglu: GroupedMatmulSwigluQuant (outputs y int8 [M, N/2], y_scale, y_offset), else
+// GroupedMatmulDequant (y float32 [M, N]).
 // layout: GroupedMatmulSwigluQuant's weight_layout; "ENK" is GmsqParams::weight_layout 2 (the
 // Hopper wgmma kernel for many rows an expert on sm_90, else the mma.sync kernel's K-major path).
 inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
-                           bool swiglu, gmsq_layout::WeightLayout layout, const grouped_matmul::Act& act,
-                           int* status_word) {
+                           bool swiglu, gmsq_layout::WeightLayout layout,
+                           const grouped_matmul::Act& act, int* status_word) {
   constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   if (layout == gmsq_layout::WeightLayout::kEN16K4)
     fail_unsupported(op, "weight_layout 'EN16K4' is a CPU layout; use ", swiglu ? "'EKN' or 'ENK'" : "'EKN'",
@@ -101,7 +102,8 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   p.weight_layout = enk ? kGmsqLayoutKMajor : 0;
   p.err = status_word;
   p.bias = in.bias.present ? in.bias.ptr<float>() : nullptr;
-  p.activation = act.kind == grouped_matmul::Activation::kSwigluOai ? kGmsqActSwigluOai : kGmsqActSwiglu;
+  p.activation =
+      act.kind == grouped_matmul::Activation::kSwigluOai ? kGmsqActSwigluOai : kGmsqActSwiglu;
   p.alpha = act.alpha;
   p.limit = act.limit;
   const cudaError_t launched = swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream);

@@ -616,7 +616,8 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
         const float2 w = *reinterpret_cast<const float2*>(wsr + 2 * j);
         *reinterpret_cast<float2*>(p.y_float + static_cast<int64_t>(r) * N + 2 * j) =
             make_float2(epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v.x), xs), w.x), bias, 2 * j),
-                        epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v.y), xs), w.y), bias, 2 * j + 1));
+                        epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v.y), xs), w.y), bias,
+                                       2 * j + 1));
       }
       continue;
     }
@@ -629,10 +630,13 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
       const int2 va = vs[0], vg = vs[1];
       const float2 wa = *reinterpret_cast<const float2*>(wsr + 2 * j);
       const float2 wg = *reinterpret_cast<const float2*>(wsr + half + 2 * j);
-      const float ca0 = epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(va.x), xs), wa.x), bias, 2 * j);
-      const float ca1 = epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(va.y), xs), wa.y), bias, 2 * j + 1);
-      const float cg0 = epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(vg.x), xs), wg.x), bias, half + 2 * j);
-      const float cg1 = epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(vg.y), xs), wg.y), bias, half + 2 * j + 1);
+      auto c_of = [&](int v, float w, int col) {  // ((float32(acc) * xs) * ws) + bias
+        return epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v), xs), w), bias, col);
+      };
+      const float ca0 = c_of(va.x, wa.x, 2 * j);
+      const float ca1 = c_of(va.y, wa.y, 2 * j + 1);
+      const float cg0 = c_of(vg.x, wg.x, half + 2 * j);
+      const float cg1 = c_of(vg.y, wg.y, half + 2 * j + 1);
       if (!isfinite(ca0) || !isfinite(cg0) || !isfinite(ca1) || !isfinite(cg1)) nonfinite = true;
       const float v0 = epi::activation_f32(p, ca0, cg0);
       const float v1 = epi::activation_f32(p, ca1, cg1);

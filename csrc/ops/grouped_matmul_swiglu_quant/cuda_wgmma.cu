@@ -178,8 +178,13 @@ __device__ __forceinline__ int quant_code_rn(float s, float inv) {
 __device__ __forceinline__ float dequant(uint32_t acc, float xs, float2 w, int r) {
   return __fmul_rn(__fmul_rn(__int2float_rn(static_cast<int>(acc)), xs), (r & 1) ? w.y : w.x);
 }
+// The bias of columns col, col + 1 (zeros without a bias: c_value does not add them then).
+__device__ __forceinline__ float2 bias_pair(const float* bsr, int col) {
+  return bsr != nullptr ? __ldg(reinterpret_cast<const float2*>(bsr + col)) : make_float2(0.f, 0.f);
+}
 // C = dequant + bias (one float32 add; b: the bias of the same two columns) when there is one.
-__device__ __forceinline__ float c_value(uint32_t acc, float xs, float2 w, bool has_bias, float2 b, int r) {
+__device__ __forceinline__ float c_value(uint32_t acc, float xs, float2 w, bool has_bias, float2 b,
+                                         int r) {
   const float c = dequant(acc, xs, w, r);
   return has_bias ? __fadd_rn(c, (r & 1) ? b.y : b.x) : c;
 }
@@ -211,8 +216,8 @@ __device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const
     if (col0 + 8 * j < half) {  // half % 16 == 0: the 8 columns of j are all in or all out
       const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col));
       const float2 wgt = __ldg(reinterpret_cast<const float2*>(wsr + half + col));
-      const float2 ba = has_bias ? __ldg(reinterpret_cast<const float2*>(bsr + col)) : make_float2(0.f, 0.f);
-      const float2 bg = has_bias ? __ldg(reinterpret_cast<const float2*>(bsr + half + col)) : make_float2(0.f, 0.f);
+      const float2 ba = bias_pair(bsr, col);
+      const float2 bg = bias_pair(bsr, half + col);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const bool hi = r >> 1;
@@ -221,7 +226,8 @@ __device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const
         const float cg = c_value(acc[4 * NJ + 4 * j + r], xs, wgt, has_bias, bg, r);
         const epi::ActTerms at = epi::act_terms(p, ca, cg);
         const bool in = div_fast_ok(at.num, at.arg, oai);
-        const float v = __fmul_rn(div_rn_fast(at.num, __fadd_rn(1.0f, epi::exp_f32(-at.arg))), at.mul);
+        const float d = __fadd_rn(1.0f, epi::exp_f32(-at.arg));
+        const float v = __fmul_rn(div_rn_fast(at.num, d), at.mul);
         const float vk = in ? v : 0.0f;  // out-of-range elements join the max in pass 2
         redo |= static_cast<uint64_t>(!in) << (4 * j + r);
         acc[4 * j + r] = in ? __float_as_uint(v) : acc[4 * j + r];
@@ -251,11 +257,10 @@ __device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const
           const float xs = hi ? xs1 : xs0;
           const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col));
           const float2 wgt = __ldg(reinterpret_cast<const float2*>(wsr + half + col));
-          const float2 ba = has_bias ? __ldg(reinterpret_cast<const float2*>(bsr + col)) : make_float2(0.f, 0.f);
-          const float2 bg =
-              has_bias ? __ldg(reinterpret_cast<const float2*>(bsr + half + col)) : make_float2(0.f, 0.f);
-          const float v = epi::activation_f32(p, c_value(acc[4 * j + r], xs, wa, has_bias, ba, r),
-                                              c_value(acc[4 * NJ + 4 * j + r], xs, wgt, has_bias, bg, r));
+          const float ca = c_value(acc[4 * j + r], xs, wa, has_bias, bias_pair(bsr, col), r);
+          const float cg =
+              c_value(acc[4 * NJ + 4 * j + r], xs, wgt, has_bias, bias_pair(bsr, half + col), r);
+          const float v = epi::activation_f32(p, ca, cg);
           acc[4 * j + r] = __float_as_uint(v);
           if (hi) {
             m1 = fmaxf(m1, fabsf(v));
@@ -504,7 +509,8 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       const float* bsr = p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * f.N : nullptr;
       float m0 = 0.0f, m1 = 0.0f;
       bool nonfinite = false;
-      swiglu_tile_mixed<16>(acc, p, wsr, bsr, f.col0, f.half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
+      swiglu_tile_mixed<16>(acc, p, wsr, bsr, f.col0, f.half, t, xs0, xs1, ok0, ok1, m0, m1,
+                            nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -663,8 +669,10 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
       const float* bsr = p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * f.N : nullptr;
       float m00 = 0.0f, m01 = 0.0f, m10 = 0.0f, m11 = 0.0f;
       bool nonfinite = false;
-      swiglu_tile_mixed<8>(acc0, p, wsr, bsr, f.col0, f.half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
-      swiglu_tile_mixed<8>(acc1, p, wsr, bsr, f.col0, f.half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
+      swiglu_tile_mixed<8>(acc0, p, wsr, bsr, f.col0, f.half, t, xs00, xs01, ok00, ok01, m00, m01,
+                           nonfinite);
+      swiglu_tile_mixed<8>(acc1, p, wsr, bsr, f.col0, f.half, t, xs10, xs11, ok10, ok11, m10, m11,
+                           nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       float mx[4] = {m00, m01, m10, m11};
 #pragma unroll
