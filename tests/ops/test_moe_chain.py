@@ -75,3 +75,34 @@ def test_error_budget_issue_shape():
     # The budget's largest share: without the SwiGLU output's rounding the error drops by a third.
     no_h = ml.relative_l2(ml.moe_layer_w8a8(x, w, (ids, wts), ("x", "gate_up", "down")), want)
     assert no_h < 0.75 * err
+
+
+@pytest.mark.parametrize("alpha,limit", [(1.702, 7.0), (1.702, 0.5), (1.0, 1.5)], ids=["gpt-oss", "tight", "a1-l1.5"])
+def test_gpt_oss_chain(rng, gemm_isa, alpha, limit):
+    """gpt-oss's expert form: biases on both GEMMs and the clamped SwiGLU ("swiglu_oai"; the
+    tight limits clamp a large share of the gate and up values). The native chain equals the
+    chain of references bit for bit and the float64 layer (same biases and activation) within
+    MOE_CHAIN_VS_FLOAT_REL_L2: the helpers the gpt-oss rewrite is proved against."""
+    h, i, e, k, t = 256, 192, 8, 2, 40
+    w = ml.random_moe_weights(rng, h, i, e)
+    w.gate_up_bias = (0.5 * rng.standard_normal((e, 2 * i))).astype(np.float32)
+    w.down_bias = (0.5 * rng.standard_normal((e, h))).astype(np.float32)
+    q = ml.quantize_moe_weights(w)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    ids, wts = ml.route(x, w.router, k)
+    act = {"activation": "swiglu_oai", "alpha": alpha, "limit": limit}
+    c = np.einsum("th,tkhn->tkn", x, w.w_gate_up[ids]) + w.gate_up_bias[ids]  # [T, K, 2I], routed
+    assert limit > 5 or np.mean(c[..., :i] > limit) > 0.05, "the gate clamp must act"
+    out = _session(ml.build_moe_int8_model(q, k, router_in_graph=False, **act)).run(
+        None, {"x": x, "topk_ids": ids, "topk_weights": wts})[0]
+    np.testing.assert_array_equal(out, ml.moe_layer_int8_reference(x, q, ids, wts, **act))
+    # Not held to MOE_CHAIN_VS_W8A8_REL_L2: the clamps put many SwiGLU outputs on a few equal
+    # values, and where float32 and float64 S round to different h codes (measured up to 3e-4
+    # here) the two differ by those codes' down-projection rows. Printed, not asserted.
+    w8a8 = ml.relative_l2(out, ml.moe_layer_w8a8(x, w, (ids, wts), **act))
+    err = ml.relative_l2(out, ml.moe_layer_float(x, w, k, routing=(ids, wts), **act))
+    print(f"{gemm_isa} alpha {alpha} limit {limit}: INT8 chain vs float layer relative L2 {err:.4f}, "
+          f"vs its float64 W8A8 model {w8a8:.1e}")
+    assert err <= MOE_CHAIN_VS_FLOAT_REL_L2
+    plain = ml.moe_layer_float(x, w, k, routing=(ids, wts))  # the biases and activation matter
+    assert ml.relative_l2(out, plain) > 10 * MOE_CHAIN_VS_FLOAT_REL_L2
