@@ -112,6 +112,7 @@ class _Candidate:
     weights: ir.Value          # routing weights [T, K] as the graph computes them
     routing: str
     outs: list[ir.Value]       # post-dominator values, in order: the block output is one of them
+    router_nodes: frozenset = frozenset()  # a sigmoid router's Sigmoid: not an expert activation
 
 
 @dataclasses.dataclass
@@ -294,22 +295,14 @@ def _through_casts(node: ir.Node | None) -> ir.Node | None:
     return node
 
 
-def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
-    """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined."""
-    src = _through_casts(topk.inputs[0].producer())
-    softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
-    if softmax_first:
-        if not _is_last_axis(src):
-            raise _Declined("the router Softmax is not over the expert axis")
-        src = src.inputs[0].producer()
+def _router_projection(src: ir.Node | None) -> tuple[ir.Value, np.ndarray]:
+    """(x [T, H], router weight [H, E]) of the router GEMM ``src`` (Gemm, or MatMul by a constant,
+    optionally plus a bias), or _Declined."""
     src = _through_casts(src)
     if src is None:
         raise _Declined("the TopK's scores do not come from a router projection")
-    bias = None
-    if src.op_type == "Add":  # MatMul + bias
-        b0, b1 = (_const(i) for i in src.inputs)
-        mm_in = src.inputs[0] if b1 is not None else src.inputs[1]
-        bias = b1 if b1 is not None else b0
+    if src.op_type == "Add":  # MatMul + bias: it changes only the scores, which the graph keeps computing
+        mm_in = src.inputs[0] if _const(src.inputs[1]) is not None else src.inputs[1]
         src = mm_in.producer()
         if src is None:
             raise _Declined("the router is not a linear projection")
@@ -331,22 +324,70 @@ def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
         raise _Declined(f"the TopK's scores come from {src.op_type}, not a router Gemm/MatMul")
     if w.ndim != 2:
         raise _Declined(f"router weight has rank {w.ndim}, expected 2")
-    del bias  # a router bias changes only the scores, which the graph keeps computing itself
+    return x, w
+
+
+def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
+    """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined, for a softmax
+    router: the TopK over Softmax(logits), or over the logits themselves."""
+    src = _through_casts(topk.inputs[0].producer())
+    softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
+    if softmax_first:
+        if not _is_last_axis(src):
+            raise _Declined("the router Softmax is not over the expert axis")
+        src = src.inputs[0].producer()
+    x, w = _router_projection(src)
     return x, w, "softmax -> topk" if softmax_first else "topk"
 
 
-def _follow_weights(values: ir.Value, softmax_first: bool) -> tuple[ir.Value, str]:
-    """Follows the top-k values through the [T, K] chain exporters write after the TopK:
-    renormalization (Div by ReduceSum), Softmax over the K values, Cast, scaling by a constant.
-    Returns the last tensor of the chain (the routing weights the experts are scaled by)."""
+def _sigmoid_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, ir.Node, ir.Node] | None:
+    """DeepSeek-V3's router: the selection TopK's ids gather their weights from the unbiased
+    scores, ``GatherElements(Sigmoid(x @ W), ids, axis=-1)``; what the TopK itself ranks (the
+    scores plus a correction bias, group-limited by further TopKs and a mask) only selects, and
+    the graph keeps computing it. Returns (x [T, H], router weight [H, E], the GatherElements, the
+    Sigmoid), None when the TopK's ids gather no sigmoid scores, or _Declined."""
+    for g in _consumers(topk.outputs[1]):
+        if g.op_type != "GatherElements" or g.domain not in ("", "ai.onnx") or g.inputs[1] is not topk.outputs[1]:
+            continue
+        sig = _through_casts(g.inputs[0].producer())
+        if sig is None or sig.op_type != "Sigmoid" or sig.domain not in ("", "ai.onnx"):
+            continue
+        if not _is_last_axis(g):
+            raise _Declined("the routing weights are gathered from the sigmoid scores along another axis "
+                            "than the experts'")
+        x, w = _router_projection(sig.inputs[0].producer())
+        return x, w, g, sig
+    return None
+
+
+def _renormalized(v: ir.Value, reduce_sum: ir.Node) -> ir.Value | None:
+    """The output of ``v / ReduceSum(v)`` when ``reduce_sum`` is that ReduceSum, also with a
+    constant added to the sum (DeepSeek-V3's ``sum + 1e-20``); None otherwise."""
+    sums = [reduce_sum.outputs[0]]
+    for a in _consumers(reduce_sum.outputs[0]):
+        if a.op_type == "Add" and any(_const(i) is not None and _const(i).size == 1 for i in a.inputs):
+            sums.append(a.outputs[0])
+    for s in sums:
+        for d in _consumers(s):
+            if d.op_type == "Div" and d.inputs[0] is v and d.inputs[1] is s:
+                return d.outputs[0]
+    return None
+
+
+def _follow_weights(values: ir.Value, routing: str) -> tuple[ir.Value, str]:
+    """Follows the top-k values through the [T, K] chain exporters write after the TopK (or after
+    the GatherElements of a sigmoid router): renormalization (Div by ReduceSum, plus a constant or
+    not), Softmax over the K values, Cast, scaling by a constant (DeepSeek-V3's
+    routed_scaling_factor). Returns the last tensor of the chain (the routing weights the experts
+    are scaled by) and ``routing`` with the steps appended."""
     v, steps = values, []
     for _ in range(8):
         nxt = None
         for n in _consumers(v):
             if n.op_type == "ReduceSum" and n.inputs[0] is v and _attr_int(n, "keepdims", 1):
-                for d in _consumers(n.outputs[0]):
-                    if d.op_type == "Div" and d.inputs[0] is v and d.inputs[1] is n.outputs[0]:
-                        nxt, step = d.outputs[0], "renormalize"
+                d = _renormalized(v, n)
+                if d is not None:
+                    nxt, step = d, "renormalize"
             elif n.op_type == "Softmax" and _is_last_axis(n):
                 nxt, step = n.outputs[0], "softmax over the k"
             elif n.op_type == "Cast" and _attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
@@ -362,20 +403,21 @@ def _follow_weights(values: ir.Value, softmax_first: bool) -> tuple[ir.Value, st
         v = nxt
         if step:
             steps.append(step)
-    desc = ("softmax -> topk" if softmax_first else "topk") + "".join(f" -> {s}" for s in steps)
-    return v, desc
+    return v, routing + "".join(f" -> {s}" for s in steps)
 
 
 # ---------------------------------------------------------------------------------------------
 # step 3: structure inside the block
 
 
-def _gated_products(graph: ir.Graph, region: set[ir.Node]) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
+def _gated_products(graph: ir.Graph, region: set[ir.Node],
+                    router_nodes: frozenset = frozenset()) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
     """(gate pre-activation, up, product) of every ``a * Sigmoid(a) * b`` in the region, in graph
-    order (an unrolled loop's order is its expert order)."""
+    order (an unrolled loop's order is its expert order); the Sigmoid of a sigmoid router (in
+    ``router_nodes``) is not an expert's."""
     out = []
     for s in graph:
-        if s not in region or s.op_type != "Sigmoid":
+        if s not in region or s.op_type != "Sigmoid" or s in router_nodes:
             continue
         a = s.inputs[0]
         silu = next((m for m in _consumers(s.outputs[0]) if m.op_type == "Mul"
@@ -669,17 +711,59 @@ def _already_fused(topk: ir.Node) -> bool:
     return any(n.domain == DOMAIN and n.op_type == "MoeInitRouting" for n in users)
 
 
+def _hidden_state(x: ir.Value) -> ir.Value:
+    """The tensor the router input ``x`` [T, H] is a Reshape/Flatten of (the [B, S, H] hidden
+    state), looking through Identities and Casts to a float type (DeepSeek-V3's router reads
+    ``hidden.view(-1, H).type(float32)``); ``x`` itself when there is none."""
+    v = x
+    for _ in range(4):
+        p = v.producer()
+        if p is None or p.domain not in ("", "ai.onnx"):
+            break
+        if p.op_type in ("Reshape", "Flatten"):
+            return p.inputs[0]
+        if not (p.op_type == "Identity" or p.op_type == "Cast" and _attr_int(p, "to", 0) in _FLOAT_TYPES):
+            break
+        v = p.inputs[0]
+    return x
+
+
 def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
     cands, declined = [], []
-    for n in graph:
-        if n.op_type != "TopK" or n.domain not in ("", "ai.onnx") or (n.name or "").startswith("moe_int8/"):
-            continue  # (our own router of a rewritten com.microsoft MoE is not a candidate)
+    topks = [n for n in graph if n.op_type == "TopK" and n.domain in ("", "ai.onnx")
+             and not (n.name or "").startswith("moe_int8/")]  # (our own router of a rewritten MoE node)
+    # Sigmoid routers first: the TopKs that only narrow their selection (DeepSeek-V3's top-2 per
+    # group, top groups) lie between the Sigmoid and the selection TopK and are parts of the
+    # router, not candidates.
+    sigmoid_routers, router_parts = {}, set()
+    for n in topks:
+        try:
+            found = _sigmoid_router(n)
+        except _Declined as e:
+            found = e
+        if found is not None:
+            sigmoid_routers[n] = found
+            if not isinstance(found, _Declined):
+                router_parts |= _region(n.inputs[0], _descendant_nodes(found[3].outputs))
+    for n in topks:
+        if n in router_parts:
+            continue
         if n.inputs[0].dtype is not None and not n.inputs[0].dtype.is_floating_point():
             continue  # an argsort of expert ids (transformers' grouped form), not a router
         if _already_fused(n):
             continue
+        router_nodes: frozenset[ir.Node] = frozenset()
         try:
-            x, w_router, how = _find_router(n)
+            found = sigmoid_routers.get(n)
+            if isinstance(found, _Declined):
+                raise found
+            if found is not None:
+                x, w_router, gather, sig = found
+                groups = sum(1 for p in _region(n.inputs[0], _descendant_nodes(sig.outputs)) if p.op_type == "TopK")
+                how = "sigmoid -> " + ("group-limited " if groups else "") + "topk -> gather"
+                router_nodes = frozenset({sig})
+            else:
+                x, w_router, how = _find_router(n)
         except _Declined as e:
             # A TopK over something else (e.g. a sort inside the block) is not a router: only
             # report it when it looks like one (float scores from a projection).
@@ -692,18 +776,18 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
         if _attr_int(n, "largest", 1) != 1 or not _is_last_axis(n):
             declined.append(Decline(n.name, "TopK is not the k largest over the expert axis"))
             continue
-        softmax_first = how.startswith("softmax")
-        weights, routing = _follow_weights(n.outputs[0], softmax_first)
-        if not softmax_first and "softmax" not in routing:
-            declined.append(Decline(n.name, "routing weights are raw top-k logits (no Softmax): not a softmax router"))
-            continue
-        hidden = x
-        p = x.producer()
-        if p is not None and p.op_type in ("Reshape", "Flatten"):
-            hidden = p.inputs[0]
+        if router_nodes:  # the weights are the gathered sigmoid scores, as the graph goes on to use them
+            weights, routing = _follow_weights(gather.outputs[0], how)
+        else:
+            weights, routing = _follow_weights(n.outputs[0], how)
+            if not how.startswith("softmax") and "softmax" not in routing:
+                declined.append(Decline(n.name, "routing weights are raw top-k logits (no Softmax or sigmoid "
+                                        "gather): not a recognized router"))
+                continue
+        hidden = _hidden_state(x)
         outs = [pd.outputs[0] for pd in _post_dominators(graph, n) if len(pd.outputs) == 1]
         cands.append(_Candidate(n, x, hidden, w_router.shape[1], int(k.reshape(-1)[0]),
-                                n.outputs[1], weights, routing, outs))
+                                n.outputs[1], weights, routing, outs, router_nodes))
     return cands, declined
 
 
@@ -722,7 +806,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
             continue
         try:
             _check_region(region, {cand.hidden, cand.x})
-            products = _gated_products(model.graph, region)
+            products = _gated_products(model.graph, region, cand.router_nodes)
             if not products:
                 raise _Declined("no SiLU-gated expert MLP (x * Sigmoid(x) * up) between router and output")
             consts = _weight_constants(region, h)
@@ -925,7 +1009,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN", proven_2d: Iterable[tuple] = ()) -> dict | None:
+                        weight_layout: str = "EKN", proven: Iterable[tuple] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -936,18 +1020,26 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     Measured on the Qwen2-MoE fixture: logits rel. L2 vs torch 0.0053 -> 0.0085, shared weights
     98304 -> 25600 bytes.
 
-    The routed output may reach the Add through a Cast to a float type (the exporters' trace of
-    ``routed.to(dtype)``). The MLP's input qualifies when the graph says it is float [T, H], or
-    when it is one of ``proven_2d`` ((value, dtype) pairs): the router's input or the hidden state
-    it reshapes, which the probe runs showed to be [T, H] (the legacy exporter records no shapes).
+    The routed output may reach the Add through Casts to a float type (the exporters' trace of
+    ``routed.to(dtype)``) and the graph's Reshape of it back to [B, S, H] (DeepSeek-V3's
+    ``.view(*orig_shape)``). The MLP's input qualifies when the graph says it is float [T, H], or
+    when it is one of ``proven`` ((value, dtype, rank) triples): the router's input or the hidden
+    state it reshapes, whose dtype and rank the probe runs showed (the legacy exporter records no
+    shapes). An MLP over the [B, S, H] hidden state (DeepSeek-V3's ``shared_experts(residuals)``)
+    runs on its Reshape to [B*S, H] and gets its output back in the input's shape.
     A float16 MLP gets its float16 output back through a Cast (GroupedMatmulDequant gives float32)."""
-    proven_2d = list(proven_2d)
+    proven = list(proven)
     adds = []  # (consumer, the routed value it reads)
-    for n in _consumers(routed_out):
-        if n.op_type == "Cast" and _attr_int(n, "to", 0) in _FLOAT_TYPES:
-            adds += [(c, n.outputs[0]) for c in _consumers(n.outputs[0])]
-        else:
-            adds.append((n, routed_out))
+    frontier = [routed_out]
+    for _ in range(3):
+        nxt = []
+        for v in frontier:
+            for n in _consumers(v):
+                if n.op_type == "Cast" and _attr_int(n, "to", 0) in _FLOAT_TYPES or n.op_type == "Reshape":
+                    nxt.append(n.outputs[0])
+                else:
+                    adds.append((n, v))
+        frontier = nxt
     for add, routed in adds:
         if add.op_type != "Add" or len(add.inputs) != 2:
             continue
@@ -982,18 +1074,18 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
                 continue
             x, wg = gp
             wu = up[1]
-            proven = next((dt for v, dt in proven_2d if v is x), None)
-            if proven is None and x.shape is not None and len(x.shape) == 2:
-                proven = x.dtype
-            if proven not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
+            x_dtype, rank = next(((dt, r) for v, dt, r in proven if v is x), (None, None))
+            if x_dtype is None and x.shape is not None and len(x.shape) >= 2:
+                x_dtype, rank = x.dtype, len(x.shape)
+            if x_dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
                     wd.shape != (wg.shape[1], wg.shape[0]):
                 continue
-            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, proven)
+            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, x_dtype, rank)
     return None
 
 
 def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
-                 x_dtype=ir.DataType.FLOAT) -> dict:
+                 x_dtype=ir.DataType.FLOAT, rank: int = 2) -> dict:
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
@@ -1005,18 +1097,27 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
     nodes = []
 
     def add(op, inputs, num_outputs=1, domain=DOMAIN, **attrs):
-        n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs, name=f"{prefix}/{op}")
+        # The first node of each op type keeps the plain name; the reshapes of a rank-3 MLP's input
+        # and output repeat Reshape and Shape, so later ones get a suffix.
+        name = f"{prefix}/{op}" + "".join(f"_{k}" for k in [sum(m.op_type == op for m in nodes)] if k)
+        n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs, name=name)
         for j, o in enumerate(n.outputs):
-            o.name = f"{prefix}/{op}_{j}"
+            o.name = f"{name}_{j}"
         nodes.append(n)
         return n.outputs
 
+    x_in = x
+    if rank != 2:  # [..., H] -> [T, H]: the GEMM ops take rows
+        x = add("Reshape", [x, _initializer(graph, f"{prefix}/shape_TH", np.array([-1, wg.shape[0]], np.int64))],
+                domain="")[0]
     groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
     xq, xs = add("DynamicQuant", [x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     if x_dtype == ir.DataType.FLOAT16:  # GroupedMatmulDequant's output is float32 by contract
         y = add("Cast", [y], domain="", to=int(ir.DataType.FLOAT16))[0]
+    if rank != 2:  # the MLP's output has its input's shape (the down projection maps I back to H)
+        y = add("Reshape", [y, add("Shape", [x_in], domain="")[0]], domain="")[0]
     graph.insert_after(mlp_out.producer(), nodes)
     _replace_value(mlp_out, y)
     return {"intermediate": wg.shape[1], "weight_bytes_before": wg.nbytes + wu.nbytes + wd.nbytes,
@@ -1237,10 +1338,14 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
                 "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
                 "weight_bytes_after": nbytes}
-            proven_2d = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype)) for v in (b.cand.x, b.cand.hidden)
-                         if all(p[v.name].ndim == 2 for p in probes)]
+            # The router's input and the hidden state it reshapes: dtype and rank as the probes saw them
+            # (the same rank on every probe, the last dim H).
+            proven = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype), probes[0][v.name].ndim)
+                      for v in (b.cand.x, b.cand.hidden)
+                      if len({p[v.name].ndim for p in probes}) == 1 and probes[0][v.name].ndim >= 2
+                      and all(p[v.name].shape[-1] == b.w_gate.shape[1] for p in probes)]
             shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
-                                          proven_2d=proven_2d) if shared_int8 else None)
+                                          proven=proven) if shared_int8 else None)
             if shared:
                 info["shared_expert"] = shared
                 info["weight_bytes_before"] += shared["weight_bytes_before"]

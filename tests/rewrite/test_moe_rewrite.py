@@ -47,7 +47,18 @@ FUSABLE = {
     "qwen2moe_dynamo_shared_fp16": (4, 32, "stacked"),  # and its shared expert, float16 out by a Cast
     "qwen3moe_tfexport_kv": (8, 32, "stacked"),
     "mixtral_tfexport_ortcuda": (4, 32, "com.microsoft MoE"),
+    # graphs/export_moe_families.py: DeepSeek-V3's sigmoid router (selection bias, group-limited
+    # top-k, gathered unbiased scores, renormalized, x 2.5) kept float, two MoE layers after a dense
+    # one, two shared experts concatenated into one MLP over the [B, S, H] hidden state
+    "deepseekv3_dynamo": (8, 24, "stacked"),
+    "deepseekv3_legacy": (8, 24, "stacked"),
 }
+# fixture -> (MoE blocks, top-k, shared expert, float Sigmoids left) where not (1, 2, no, none):
+# Qwen2's shared-expert gate stays float; DeepSeek-V3's routers stay float and its dense first
+# layer keeps its float SiLU MLP.
+BLOCKS = {"qwen2moe_dynamo_shared": (1, 2, True, 1), "qwen2moe_legacy_shared": (1, 2, True, 1),
+          "qwen2moe_dynamo_shared_fp16": (1, 2, True, 1),
+          "deepseekv3_dynamo": (2, 3, True, 3), "deepseekv3_legacy": (2, 3, True, 3)}
 # Stock ORT CPU cannot run the com.microsoft MoE original; the export script gives every Mixtral
 # fixture the same weights, so the torch-exported one is its fp32 stand-in for greedy decoding.
 FP32_STAND_IN = {"mixtral_tfexport_ortcuda": "mixtral_dynamo_batched"}
@@ -95,21 +106,23 @@ def test_fixture_is_fused(name):
     model = onnx.load_from_string(data)
     census = collections.Counter(n.op_type for n in model.graph.node)
     print(name, result.details["blocks"], result.declined)
-    assert result.fused == 1, result.declined
-    block = result.details["blocks"][0]
-    shared = name.startswith("qwen2")  # its shared expert runs as one always-on INT8 expert
-    assert ("shared_expert" in block) == shared
+    blocks, top_k, shared, sigmoids = BLOCKS.get(name, (1, 2, False, 0))
+    assert result.fused == blocks and not result.declined, result.declined
+    # A shared expert runs as one always-on INT8 expert.
     per_chain = {"DynamicQuant": 1 + shared, "GroupedMatmulSwigluQuant": 1 + shared,
                  "GroupedMatmulDequant": 1 + shared, "MoeInitRouting": 1, "MoeFinalizeRouting": 1}
-    assert all(census[op] == n for op, n in per_chain.items()), census
-    assert block["experts"] == experts and block["top_k"] == 2 and block["intermediate"] == inter
-    assert block["form"].startswith(form)
+    assert all(census[op] == blocks * n for op, n in per_chain.items()), census
+    half = name.endswith("_fp16")
+    for block in result.details["blocks"]:
+        assert ("shared_expert" in block) == shared
+        assert block["experts"] == experts and block["top_k"] == top_k and block["intermediate"] == inter
+        assert block["form"].startswith(form)
+        assert block["weight_bytes_after"] < block["weight_bytes_before"] / (1.75 if half else 3.5)
     # No float expert weight (and so no float expert MatMul) is left.
     assert not _float_weight_census(model, inter)
-    assert census["Sigmoid"] == (1 if shared else 0)  # Qwen2's shared-expert gate stays float
-    assert not any("shared_expert." in t.name for t in model.graph.initializer)
-    half = name.endswith("_fp16")
-    assert block["weight_bytes_after"] < block["weight_bytes_before"] / (1.75 if half else 3.5)
+    assert census["Sigmoid"] == sigmoids
+    # (the shared MLP's weights; Qwen2's float gate "shared_expert_gate" stays)
+    assert not any(w in t.name for t in model.graph.initializer for w in ("shared_expert.", "shared_experts."))
     if half:  # float16 into MoeInitRouting as it is; float16 out through one Cast
         producer = {o: n for n in model.graph.node for o in n.output}
         init = next(n for n in model.graph.node if n.op_type == "MoeInitRouting")
