@@ -10,11 +10,20 @@ without fused multiply-adds, so INT8 codes match the reference bit for bit:
     acc  = sum_k int32(x[m, k]) * int32(W[e, k, n])        exact int32 (K <= MAX_K)
     C    = (float32(acc) * x_scale[m]) * weight_scale[e, n]  two float32 multiplies, this order
                                                             (float32(acc): round to nearest even)
-    SwiGLU on A = C[:, :N/2] (the Swish input) and G = C[:, N/2:] (the gate multiplier):
+    C    = C + bias[e, n]                                   only with the optional bias input
+    activation "swiglu" (the default) on A = C[:, :N/2] (the Swish input) and G = C[:, N/2:]
+    (the gate multiplier):
         e = exp_f32(-A)          the polynomial below, not libm's expf
         d = 1 + e
         s = A / d                IEEE float32 division (Swish(A) = A * sigmoid(A))
         S = s * G
+    activation "swiglu_oai" (gpt-oss's clamped SwiGLU; attributes alpha, limit):
+        a = min(A, limit)        the Swish input clamped above only
+        g = min(max(G, -limit), limit)
+        e = exp_f32(-(alpha * a))
+        d = 1 + e
+        s = a / d
+        S = (g + 1) * s
 
 ``exp_f32`` is defined by basic float32 operations so every target computes the same bits
 (libm, numpy's SIMD exp and CUDA's __expf all differ in the last bit):
@@ -73,6 +82,62 @@ def swiglu_f32(a: np.ndarray, g: np.ndarray) -> np.ndarray:
     d = (ONE + e).astype(np.float32)
     s = (a / d).astype(np.float32)
     return (s * g).astype(np.float32)
+
+
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+OAI_ALPHA = 1.702   # gpt-oss's defaults (attributes alpha, limit of "swiglu_oai")
+OAI_LIMIT = 7.0
+
+
+def swiglu_oai_f32(a: np.ndarray, g: np.ndarray, alpha: float = OAI_ALPHA, limit: float = OAI_LIMIT) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU in float32, the contract's order (module docstring):
+    S = (min(max(g, -limit), limit) + 1) * (a' / (1 + exp_f32(-(alpha * a')))), a' = min(a, limit)."""
+    al = np.float32(alpha)
+    lim = np.float32(limit)
+    a = np.minimum(np.asarray(a, np.float32), lim)
+    g = np.minimum(np.maximum(np.asarray(g, np.float32), -lim), lim)
+    e = exp_f32(-(al * a).astype(np.float32))
+    d = (ONE + e).astype(np.float32)
+    s = (a / d).astype(np.float32)
+    return ((g + ONE).astype(np.float32) * s).astype(np.float32)
+
+
+def activation_f32(a: np.ndarray, g: np.ndarray, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                   limit: float = OAI_LIMIT) -> np.ndarray:
+    """S of GroupedMatmulSwigluQuant's ``activation`` (checked by ``check_activation``)."""
+    if activation == "swiglu_oai":
+        return swiglu_oai_f32(a, g, alpha, limit)
+    return swiglu_f32(a, g)
+
+
+def check_activation(op: str, activation, alpha, limit) -> None:
+    """Raises the kernels' ValueError for an unknown ``activation`` or a bad ``alpha`` / ``limit``
+    (float32 values: finite, limit > 0)."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: attribute 'activation' must be 'swiglu' or 'swiglu_oai', got '{activation}'")
+    with np.errstate(over="ignore"):
+        al, lim = np.float32(alpha), np.float32(limit)
+    if not np.isfinite(al):
+        raise ValueError(f"{op}: attribute 'alpha' must be finite, got {float(al)}")
+    if not (np.isfinite(lim) and lim > 0):
+        raise ValueError(f"{op}: attribute 'limit' must be finite and > 0, got {float(lim)}")
+
+
+def check_bias(op: str, bias, num_experts: int, n: int) -> np.ndarray | None:
+    """The optional input ``bias`` float32 [E, N]: None when absent; ValueError (the kernels'
+    message) for another dtype or shape or a NaN / Inf value."""
+    if bias is None:
+        return None
+    b = np.asarray(bias)
+    if b.dtype != np.float32:
+        raise ValueError(f"{op}: input 'bias' must be float32, got {b.dtype}")
+    if b.shape != (num_experts, n):
+        raise ValueError(f"{op}: input 'bias' must have shape {[num_experts, n]}, got {list(b.shape)}")
+    bad = ~np.isfinite(b)
+    if bad.any():
+        e, c = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{op}: input 'bias' must be finite, got NaN or Inf at expert {e}, column {c}")
+    return b
 
 
 def group_ends(op: str, group_list: np.ndarray, group_list_type: int, num_experts: int,
@@ -190,11 +255,12 @@ def weight_ekn(op: str, x, weight, weight_layout: str = "EKN", weight_scale=None
 
 
 def grouped_dequant_matmul(op: str, x, weight, weight_scale, x_scale, group_list,
-                           group_list_type: int) -> tuple[np.ndarray, np.ndarray]:
+                           group_list_type: int, bias=None) -> tuple[np.ndarray, np.ndarray]:
     """Validates the GroupedMatmul* inputs and returns (C float32 [M, N], valid bool [M]).
 
-    C[m] = (float32(x[m] . W_e) * x_scale[m]) * weight_scale[e] for rows of a group; rows at
-    or past the last group end are not valid (the ops write zeros there).
+    C[m] = (float32(x[m] . W_e) * x_scale[m]) * weight_scale[e] (+ bias[e], one float32 add,
+    when the optional bias [E, N] is given) for rows of a group; rows at or past the last group
+    end are not valid (the ops write zeros there, no bias).
     """
     x = check_int8(op, "x", x, 2)
     weight = check_int8(op, "weight", weight, 3)
@@ -206,6 +272,7 @@ def grouped_dequant_matmul(op: str, x, weight, weight_scale, x_scale, group_list
         raise ValueError(f"{op}: K must be <= {MAX_K} so the int32 accumulator cannot overflow, got {k}")
     ws = check_float(op, "weight_scale", weight_scale, (e_count, n))
     xs = check_float(op, "x_scale", x_scale, (m,))
+    b = check_bias(op, bias, e_count, n)
     ends = group_ends(op, group_list, group_list_type, e_count, m)
     c = np.zeros((m, n), np.float32)
     valid = np.zeros(m, bool)
@@ -218,6 +285,8 @@ def grouped_dequant_matmul(op: str, x, weight, weight_scale, x_scale, group_list
             assert np.all(np.abs(acc) < 2**31)
             ce = (acc.astype(np.int32).astype(np.float32) * xs[start:end, None]).astype(np.float32)
             c[start:end] = (ce * ws[e][None, :]).astype(np.float32)
+            if b is not None:
+                c[start:end] = (c[start:end] + b[e][None, :]).astype(np.float32)
             valid[start:end] = True
         start = max(start, end)
     return c, valid

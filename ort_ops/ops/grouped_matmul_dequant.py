@@ -11,6 +11,7 @@ Inputs:
     weight_scale float32/float16 [E, N]
     x_scale      float32/float16 [M]
     group_list   int64 [E]         type 0: cumulative end rows; type 1: per-expert counts
+    bias         float32 [E, N]    optional; added after the two scale multiplies
 Output:
     y float32 [M, N]
 Attributes: group_list_type (0 default, 1); weight_layout ("EKN" default, "ENK", "EN16K4"), as
@@ -21,8 +22,10 @@ without AMX each used expert is unpacked to [K, N] per Run; "ENK" is transposed 
 refused on the CUDA EP, as is "EN16K4".
 
 Exact float32 recipe (``ort_ops.ops._moe``): y[m, n] = (float32(acc) * x_scale[m]) * weight_scale[e, n]
-with acc the int32 dot product, two float32 multiplies in this order; kernels match it bit for
-bit. Rows at or past the last group end are zeros. Float overflow gives Inf as float math does.
+with acc the int32 dot product, two float32 multiplies in this order, then, with the optional
+bias, one float32 add: y[m, n] = y[m, n] + bias[e, n]; kernels match it bit for bit. Rows at or
+past the last group end are zeros (no bias). Float overflow gives Inf as float math does. A bias
+that is not float32 [E, N] or holds NaN / Inf is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ SCHEMA = OpSchema(
         Arg("weight_scale", FLOAT_TYPES, doc="[E, N] per output channel"),
         Arg("x_scale", FLOAT_TYPES, doc="[M] per row"),
         Arg("group_list", ("int64",), doc="[E] cumulative ends (type 0) or counts (type 1)"),
+        Arg("bias", ("float32",), optional=True, doc="[E, N] added after the scales"),
     ),
     outputs=(Arg("y", ("float32",), doc="[M, N]"),),
     attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),
@@ -51,10 +55,10 @@ SCHEMA = OpSchema(
 )
 
 
-def reference(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
+def reference(x, weight, weight_scale, x_scale, group_list, bias=None, group_list_type: int = 0,
               weight_layout: str = "EKN") -> np.ndarray:
     """numpy GroupedMatmulDequant; returns y float32 [M, N] (zeros past the last group end)."""
     weight = weight_ekn(OP, x, weight, weight_layout, weight_scale)
     with np.errstate(over="ignore"):
-        c, _ = grouped_dequant_matmul(OP, x, weight, weight_scale, x_scale, group_list, group_list_type)
+        c, _ = grouped_dequant_matmul(OP, x, weight, weight_scale, x_scale, group_list, group_list_type, bias)
     return c

@@ -13,6 +13,7 @@ Inputs:
     weight_scale float32/float16 [E, N]   per output channel
     x_scale      float32/float16 [M]      per row
     group_list   int64 [E]        type 0: cumulative end rows; type 1: per-expert counts
+    bias         float32 [E, N]   optional; added to C after the two scale multiplies
 Outputs:
     y        int8 [M, N/2]    S quantized per row by the contract's rule
     y_scale  float32 [M]
@@ -27,27 +28,43 @@ packing it per Run (benchmarks/RESULTS_cpu.md; without AMX each used expert is u
 per Run); "ENK" costs them a transpose of each used expert per Run; "EN16K4" fails on the CUDA EP;
 on the CUDA EP "ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
 4096 tokens, benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
-K-major path.
+K-major path. activation ("swiglu" default; "swiglu_oai": gpt-oss's clamped SwiGLU) with
+float attributes alpha (default 1.702) and limit (default 7.0), used by "swiglu_oai" only.
 
 Exact float32 recipe (the spec every kernel matches bit for bit; see ``ort_ops.ops._moe``):
 
     acc = x[m] . W_e[:, n]                               int32
     C   = (float32(acc) * x_scale[m]) * weight_scale[e, n]
+    C   = C + bias[e, n]                                 only when the bias input is given
     A, G = C[:, :N/2], C[:, N/2:]
-    S   = (A / (1 + exp_f32(-A))) * G                    exp_f32: _moe's Cephes polynomial
+    S   = (A / (1 + exp_f32(-A))) * G                    "swiglu"; exp_f32: _moe's Cephes polynomial
+    a   = min(A, limit); g = min(max(G, -limit), limit)  "swiglu_oai":
+    S   = (g + 1) * (a / (1 + exp_f32(-(alpha * a))))
     y, y_scale = quantize_rows(S)                        amax, inv = 127 / amax, rint(S * inv)
 
 Rows at or past the last group end get y = 0, y_scale = 0. Errors (ValueError here, a failed
 Run in the kernels): odd N, K > 131071 (int32 accumulation bound), mismatched shapes, a
-decreasing group_list, one ending past M, and a non-finite C or S in a row (no INT8 code
-represents it). Ascend's limits N <= 10240 and K <= 65536 do not apply.
+decreasing group_list, one ending past M, a bias that is not float32 [E, N] or holds NaN / Inf,
+an unknown activation, a non-finite alpha or limit, limit <= 0, and a non-finite C (after the
+bias) or S in a row (no INT8 code represents it). Ascend's limits N <= 10240 and K <= 65536 do not apply.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ort_ops.ops._moe import WEIGHT_LAYOUTS, grouped_dequant_matmul, pack_en16k4, swiglu_f32  # noqa: F401 (re-exported)
+from ort_ops.ops._moe import (  # noqa: F401 (re-exported)
+    ACTIVATIONS,
+    OAI_ALPHA,
+    OAI_LIMIT,
+    WEIGHT_LAYOUTS,
+    activation_f32,
+    check_activation,
+    grouped_dequant_matmul,
+    pack_en16k4,
+    swiglu_f32,
+    swiglu_oai_f32,
+)
 from ort_ops.ops._moe import weight_ekn as _weight_ekn
 from ort_ops.ops._quant import quantize_rows
 from ort_ops.ops._schema import FLOAT_TYPES, Arg, Attr, OpSchema
@@ -62,6 +79,7 @@ SCHEMA = OpSchema(
         Arg("weight_scale", FLOAT_TYPES, doc="[E, N] per output channel"),
         Arg("x_scale", FLOAT_TYPES, doc="[M] per row"),
         Arg("group_list", ("int64",), doc="[E] cumulative ends (type 0) or counts (type 1)"),
+        Arg("bias", ("float32",), optional=True, doc="[E, N] added to C after the scales"),
     ),
     outputs=(
         Arg("y", ("int8",), doc="[M, N/2] SwiGLU output codes"),
@@ -70,7 +88,11 @@ SCHEMA = OpSchema(
     ),
     attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),
            Attr("weight_layout", "string", "EKN", doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (K-major); '
-                '"EN16K4": [E, ceil(N/16), K/4, 16, 4] (AMX B tiles; CPU only)')),
+                '"EN16K4": [E, ceil(N/16), K/4, 16, 4] (AMX B tiles; CPU only)'),
+           Attr("activation", "string", "swiglu", doc='"swiglu": (A / (1 + exp(-A))) * G; "swiglu_oai": '
+                "gpt-oss's clamped SwiGLU"),
+           Attr("alpha", "float", OAI_ALPHA, doc='"swiglu_oai": the sigmoid\'s slope'),
+           Attr("limit", "float", OAI_LIMIT, doc='"swiglu_oai": A clamped to <= limit, G to [-limit, limit]')),
     doc=__doc__,
 )
 
@@ -81,13 +103,16 @@ def weight_ekn(x, weight, weight_layout: str = "EKN", weight_scale=None):
 
 
 def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-                weight_layout: str = "EKN"):
+                weight_layout: str = "EKN", bias=None, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                limit: float = OAI_LIMIT):
     """The float32 SwiGLU output S [M, N/2] before quantization and the valid-row mask [M]."""
+    check_activation(OP, activation, alpha, limit)
     weight = weight_ekn(x, weight, weight_layout, weight_scale)
     n = np.asarray(weight).shape[-1] if np.asarray(weight).ndim == 3 else 0
     if n % 2:
         raise ValueError(f"{OP}: input 'weight' must have an even N (last dim), got {n}")
-    c, valid = grouped_dequant_matmul(OP, x, weight, weight_scale, x_scale, group_list, group_list_type)
+    with np.errstate(over="ignore"):
+        c, valid = grouped_dequant_matmul(OP, x, weight, weight_scale, x_scale, group_list, group_list_type, bias)
     bad = ~np.all(np.isfinite(c), axis=1) & valid
     if bad.any():
         r = int(np.argmax(bad))
@@ -95,7 +120,8 @@ def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: i
     h = n // 2
     s = np.zeros((c.shape[0], h), np.float32)
     if valid.any():
-        s[valid] = swiglu_f32(c[valid, :h], c[valid, h:])
+        with np.errstate(over="ignore"):
+            s[valid] = activation_f32(c[valid, :h], c[valid, h:], activation, alpha, limit)
     bad = ~np.all(np.isfinite(s), axis=1) & valid
     if bad.any():
         r = int(np.argmax(bad))
@@ -103,14 +129,16 @@ def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: i
     return s, valid
 
 
-def reference(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-              weight_layout: str = "EKN"):
+def reference(x, weight, weight_scale, x_scale, group_list, bias=None, group_list_type: int = 0,
+              weight_layout: str = "EKN", activation: str = "swiglu", alpha: float = OAI_ALPHA,
+              limit: float = OAI_LIMIT):
     """numpy GroupedMatmulSwigluQuant (module docstring for shapes and the float32 recipe).
 
     Returns:
         (y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M]).
     """
-    s, valid = swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type, weight_layout)
+    s, valid = swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type, weight_layout,
+                           bias, activation, alpha, limit)
     y, y_scale = quantize_rows(s, axis=-1)
     y[~valid] = 0
     y_scale[~valid] = 0

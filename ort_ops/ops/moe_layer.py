@@ -4,17 +4,24 @@ op chain run through the references (what the native chain must equal).
 
 Alphabet: T tokens, H hidden size, I intermediate size per expert, E experts, K top-k.
 
-Float layer (SwiGLU experts, the Mixtral / Qwen-MoE / DeepSeek form):
+Float layer (SwiGLU experts, the Mixtral / Qwen-MoE / DeepSeek form; gpt-oss with biases and
+``activation="swiglu_oai"``):
 
     probs_TE      = softmax(x_TH @ router_HE)                      float32
     topk_ids_TK   = the K largest probabilities per token (ties: lower expert id first)
     topk_w_TK     = those probabilities, divided by their sum when ``renormalize``
-    expert e:       h = silu(x @ w_gate_up[e][:, :I]) * (x @ w_gate_up[e][:, I:]);  y = h @ w_down[e]
+    expert e:       c = x @ w_gate_up[e] (+ gate_up_bias[e]);  A, G = c[:, :I], c[:, I:]
+                    "swiglu":     h = silu(A) * G
+                    "swiglu_oai": a = min(A, limit), g = clip(G, -limit, limit),
+                                  h = (g + 1) * a * sigmoid(alpha * a)       (gpt-oss)
+                    y = h @ w_down[e] (+ down_bias[e])
     out_TH        = sum_j topk_w[t, j] * expert_{topk_ids[t, j]}(x[t])  (+ shared expert(x) if given)
 
 Weights: w_gate_up [E, H, 2I] (columns [0, I) the gate that goes through silu, [I, 2I) the up
 projection), w_down [E, I, H]; the optional shared expert has w_gate_up [1, H, 2I'] and
-w_down [1, I', H] and is added to every token.
+w_down [1, I', H] and is added to every token. Optional biases gate_up_bias [E, 2I] and
+down_bias [E, H] (gpt-oss's gate_up_proj_bias / down_proj_bias, gate/up columns de-interleaved
+like the weights) go to GroupedMatmulSwigluQuant's and GroupedMatmulDequant's bias input.
 
 INT8 chain (DESIGN.md "MoE"); the router stays float, so the chain's error is the experts' only:
 
@@ -54,6 +61,8 @@ class MoeWeights:
     w_down: np.ndarray                        # [E, I, H]
     shared_gate_up: np.ndarray | None = None  # [1, H, 2I']
     shared_down: np.ndarray | None = None     # [1, I', H]
+    gate_up_bias: np.ndarray | None = None    # [E, 2I]
+    down_bias: np.ndarray | None = None       # [E, H]
 
     @property
     def num_experts(self) -> int:
@@ -72,6 +81,8 @@ class QuantizedMoeWeights:
     shared_gate_up_scale: np.ndarray | None = None
     shared_down: np.ndarray | None = None
     shared_down_scale: np.ndarray | None = None
+    gate_up_bias: np.ndarray | None = None  # float32 [E, 2I], not quantized
+    down_bias: np.ndarray | None = None     # float32 [E, H]
 
 
 def random_moe_weights(rng: np.random.Generator, hidden: int, inter: int, num_experts: int,
@@ -102,6 +113,10 @@ def quantize_moe_weights(w: MoeWeights) -> QuantizedMoeWeights:
     if w.shared_gate_up is not None:
         q.shared_gate_up, q.shared_gate_up_scale = quantize_expert_weights(w.shared_gate_up)
         q.shared_down, q.shared_down_scale = quantize_expert_weights(w.shared_down)
+    if w.gate_up_bias is not None:
+        q.gate_up_bias = np.asarray(w.gate_up_bias, np.float32)
+    if w.down_bias is not None:
+        q.down_bias = np.asarray(w.down_bias, np.float32)
     return q
 
 
@@ -123,17 +138,45 @@ def _silu(a):
     return a / (1.0 + np.exp(-a))
 
 
-def _expert_float(x, w_gate_up, w_down):
+ACTIVATIONS = grouped_matmul_swiglu_quant.ACTIVATIONS
+OAI_ALPHA = grouped_matmul_swiglu_quant.OAI_ALPHA
+OAI_LIMIT = grouped_matmul_swiglu_quant.OAI_LIMIT
+
+
+def _activation(c, activation: str, alpha: float, limit: float):
+    """h [.., I] from c [.., 2I] = [A | G] in c's float type (GroupedMatmulSwigluQuant's activations)."""
+    i = c.shape[-1] // 2
+    a, g = c[..., :i], c[..., i:]
+    if activation == "swiglu":
+        return _silu(a) * g
+    if activation == "swiglu_oai":
+        a = np.minimum(a, limit)
+        g = np.clip(g, -limit, limit)
+        return (g + 1.0) * (a / (1.0 + np.exp(-alpha * a)))
+    raise ValueError(f"moe_layer: activation must be one of {ACTIVATIONS}, got '{activation}'")
+
+
+def _expert_float(x, w_gate_up, w_down, b_gate_up=None, b_down=None, activation="swiglu", alpha=OAI_ALPHA,
+                  limit=OAI_LIMIT):
     c = x @ w_gate_up
-    i = w_gate_up.shape[-1] // 2
-    return (_silu(c[:, :i]) * c[:, i:]) @ w_down
+    if b_gate_up is not None:
+        c = c + b_gate_up
+    y = _activation(c, activation, alpha, limit) @ w_down
+    return y + b_down if b_down is not None else y
+
+
+def _bias64(b, e):
+    return None if b is None else np.asarray(b[e], np.float64)
 
 
 def moe_layer_float(x: np.ndarray, w: MoeWeights, top_k: int, renormalize: bool = True,
-                    routing: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                    routing: tuple[np.ndarray, np.ndarray] | None = None, activation: str = "swiglu",
+                    alpha: float = OAI_ALPHA, limit: float = OAI_LIMIT) -> np.ndarray:
     """The float MoE layer (float64 arithmetic: the accuracy yardstick). x [T, H] -> [T, H] float32.
 
     ``routing`` (topk_ids, topk_w) overrides the router so both layers use the same choice.
+    ``activation`` ("swiglu" or "swiglu_oai" with ``alpha``, ``limit``) and the weights' optional
+    biases apply to the routed experts; the shared expert, if any, is a plain SwiGLU one.
     """
     x64 = np.asarray(x, np.float64)
     ids, wts = routing if routing is not None else route(x, w.router, top_k, renormalize)
@@ -141,7 +184,8 @@ def moe_layer_float(x: np.ndarray, w: MoeWeights, top_k: int, renormalize: bool 
     for e in range(w.num_experts):
         t, j = np.nonzero(ids == e)
         if t.size:
-            y = _expert_float(x64[t], w.w_gate_up[e].astype(np.float64), w.w_down[e].astype(np.float64))
+            y = _expert_float(x64[t], w.w_gate_up[e].astype(np.float64), w.w_down[e].astype(np.float64),
+                              _bias64(w.gate_up_bias, e), _bias64(w.down_bias, e), activation, alpha, limit)
             np.add.at(out, t, wts[t, j, None].astype(np.float64) * y)
     if w.shared_gate_up is not None:
         out += _expert_float(x64, w.shared_gate_up[0].astype(np.float64), w.shared_down[0].astype(np.float64))
@@ -157,14 +201,17 @@ def shared_expert_int8(x: np.ndarray, q: QuantizedMoeWeights) -> np.ndarray:
 
 
 def moe_layer_int8_reference(x: np.ndarray, q: QuantizedMoeWeights, topk_ids: np.ndarray,
-                             topk_w: np.ndarray) -> np.ndarray:
-    """The INT8 op chain (module docstring) through the numpy references: x [T, H] -> float32 [T, H]."""
+                             topk_w: np.ndarray, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                             limit: float = OAI_LIMIT) -> np.ndarray:
+    """The INT8 op chain (module docstring) through the numpy references: x [T, H] -> float32 [T, H].
+    The routed experts take q's biases and ``activation``; the shared expert is plain SwiGLU."""
     x = np.asarray(x, np.float32)
     e = q.gate_up.shape[0]
     sorted_x, s2f, gl = moe_init_routing.reference(x, np.asarray(topk_ids, np.int32), num_experts=e)
     xq, xs = dynamic_quant.reference(sorted_x)
-    hq, hs, _ = grouped_matmul_swiglu_quant.reference(xq, q.gate_up, q.gate_up_scale, xs, gl)
-    expert_out = grouped_matmul_dequant.reference(hq, q.down, q.down_scale, hs, gl)
+    hq, hs, _ = grouped_matmul_swiglu_quant.reference(xq, q.gate_up, q.gate_up_scale, xs, gl, q.gate_up_bias,
+                                                      activation=activation, alpha=alpha, limit=limit)
+    expert_out = grouped_matmul_dequant.reference(hq, q.down, q.down_scale, hs, gl, q.down_bias)
     residual = shared_expert_int8(x, q) if q.shared_gate_up is not None else None
     return moe_finalize_routing.reference(expert_out, s2f, topk_w, residual)
 
@@ -173,7 +220,8 @@ QUANT_STEPS = ("x", "gate_up", "h", "down")
 
 
 def moe_layer_w8a8(x: np.ndarray, w: MoeWeights, routing: tuple[np.ndarray, np.ndarray],
-                   quant: tuple[str, ...] = QUANT_STEPS) -> np.ndarray:
+                   quant: tuple[str, ...] = QUANT_STEPS, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                   limit: float = OAI_LIMIT) -> np.ndarray:
     """The chain's W8A8 integer math in float64, each INT8 rounding switchable (the error budget).
 
     Quantizes by the contract's rule (``quantize_rows``: symmetric, scale = amax / 127, codes
@@ -187,6 +235,7 @@ def moe_layer_w8a8(x: np.ndarray, w: MoeWeights, routing: tuple[np.ndarray, np.n
     on this is the plain W8A8 layer (per-token symmetric int8 activations, per-channel int8
     weights, integer matmuls, float SwiGLU): the INT8 chain computes the same codes and differs
     only by its float32 dequantization and SwiGLU. With none it is ``moe_layer_float``.
+    Biases (float64, not quantized) and ``activation`` as ``moe_layer_float``'s.
     """
     unknown = set(quant) - set(QUANT_STEPS)
     if unknown:
@@ -205,21 +254,25 @@ def moe_layer_w8a8(x: np.ndarray, w: MoeWeights, routing: tuple[np.ndarray, np.n
     x = np.asarray(x, np.float32)
     xin = rows(x) if "x" in quant else x.astype(np.float64)
 
-    def expert(xe, gu, dn):
+    def expert(xe, gu, dn, bgu, bd, act):
         c = xe @ gu
-        i = gu.shape[-1] // 2
-        h = _silu(c[:, :i]) * c[:, i:]
-        return (rows(h) if "h" in quant else h) @ dn
+        if bgu is not None:
+            c = c + bgu
+        h = _activation(c, act, alpha, limit)
+        y = (rows(h) if "h" in quant else h) @ dn
+        return y + bd if bd is not None else y
 
-    def run(xe, gate_up, down):
-        return expert(xe, weights(gate_up, "gate_up" in quant), weights(down, "down" in quant))
+    def run(xe, gate_up, down, bgu=None, bd=None, act="swiglu"):
+        return expert(xe, weights(gate_up, "gate_up" in quant), weights(down, "down" in quant), bgu, bd, act)
 
     ids, wts = routing
     out = np.zeros(x.shape, np.float64)
     for e in range(w.num_experts):
         t, j = np.nonzero(ids == e)
         if t.size:
-            np.add.at(out, t, wts[t, j, None].astype(np.float64) * run(xin[t], w.w_gate_up[e], w.w_down[e]))
+            y = run(xin[t], w.w_gate_up[e], w.w_down[e], _bias64(w.gate_up_bias, e), _bias64(w.down_bias, e),
+                    activation)
+            np.add.at(out, t, wts[t, j, None].astype(np.float64) * y)
     if w.shared_gate_up is not None:
         out += run(xin, w.shared_gate_up[0], w.shared_down[0])
     return out.astype(np.float32)
@@ -233,14 +286,16 @@ def relative_l2(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def build_moe_int8_model(q: QuantizedMoeWeights, top_k: int, renormalize: bool = True,
-                         router_in_graph: bool = True, opset_imports=None):
+                         router_in_graph: bool = True, opset_imports=None, activation: str = "swiglu",
+                         alpha: float = OAI_ALPHA, limit: float = OAI_LIMIT):
     """The INT8 chain as one ONNX model, the expert weights as initializers.
 
     ``router_in_graph``: inputs ``x`` [T, H] float32 and ``router_logits`` [T, E] float32; the
     model runs Softmax, TopK (ties: lower expert id first), the optional renormalization and a
     Cast of the ids to int32 before the chain (com.microsoft.MoE's interface). Otherwise the
     inputs are ``x``, ``topk_ids`` int32 [T, K] and ``topk_weights`` float32 [T, K].
-    Output ``out`` float32 [T, H]. T is symbolic.
+    Output ``out`` float32 [T, H]. T is symbolic. q's biases and ``activation`` (with alpha,
+    limit) go to the routed experts' GroupedMatmulSwigluQuant / GroupedMatmulDequant.
     """
     from onnx import TensorProto, helper, numpy_helper
 
@@ -269,14 +324,21 @@ def build_moe_int8_model(q: QuantizedMoeWeights, top_k: int, renormalize: bool =
         inputs += [helper.make_tensor_value_info("topk_ids", TensorProto.INT32, ["T", top_k]),
                    helper.make_tensor_value_info("topk_weights", TensorProto.FLOAT, ["T", top_k])]
     d = {"domain": DOMAIN}
+    gu_in = ["xq", "w_gate_up", "w_gate_up_scale", "x_scale", "group_list"]
+    dn_in = ["hq", "w_down", "w_down_scale", "h_scale", "group_list"]
+    if q.gate_up_bias is not None:
+        inits.append(numpy_helper.from_array(np.asarray(q.gate_up_bias, np.float32), "w_gate_up_bias"))
+        gu_in.append("w_gate_up_bias")
+    if q.down_bias is not None:
+        inits.append(numpy_helper.from_array(np.asarray(q.down_bias, np.float32), "w_down_bias"))
+        dn_in.append("w_down_bias")
+    act = {} if activation == "swiglu" else {"activation": activation, "alpha": float(alpha), "limit": float(limit)}
     nodes += [
         helper.make_node("DynamicQuant", ["x"], ["tq", "t_scale"], **d),
         helper.make_node("MoeInitRouting", ["tq", "topk_ids", "t_scale"],
                          ["xq", "sorted_to_flat", "group_list", "x_scale"], num_experts=e, **d),
-        helper.make_node("GroupedMatmulSwigluQuant", ["xq", "w_gate_up", "w_gate_up_scale", "x_scale", "group_list"],
-                         ["hq", "h_scale", "h_offset"], **d),
-        helper.make_node("GroupedMatmulDequant", ["hq", "w_down", "w_down_scale", "h_scale", "group_list"],
-                         ["expert_out"], **d),
+        helper.make_node("GroupedMatmulSwigluQuant", gu_in, ["hq", "h_scale", "h_offset"], **act, **d),
+        helper.make_node("GroupedMatmulDequant", dn_in, ["expert_out"], **d),
     ]
     fin_inputs = ["expert_out", "sorted_to_flat", "topk_weights"]
     if q.shared_gate_up is not None:

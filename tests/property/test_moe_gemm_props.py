@@ -2,12 +2,14 @@
 """GroupedMatmulSwigluQuant and GroupedMatmulDequant on the CPU EP against their references for
 random valid inputs: rows 0..48, K 1..300, E 1..8 with empty experts, rows past the last group,
 group_list cumulative and as counts, every weight layout (EKN, ENK, EN16K4), int8 codes including
--128, float32/float16 scales from tiny to huge (float overflow included: the ops refuse a
+-128, with and without the optional bias (small to huge), GroupedMatmulSwigluQuant's activations
+"swiglu" and "swiglu_oai" (random alpha and limit), float32/float16 scales from tiny to huge (float overflow included: the ops refuse a
 non-finite product or SwiGLU output, GroupedMatmulDequant returns Inf as float math does), every
 GEMM kernel variant; outputs bit for bit. Invalid inputs (odd N, K past the int32-exact bound,
 decreasing or overlong group lists, negative counts, shapes, ranks, dtypes, layouts and
-group_list_type values the ops do not take, NaN scales, misaligned buffers) are refused naming the
-op and the input."""
+group_list_type values the ops do not take, NaN scales, misaligned buffers, a bias of the wrong
+shape or dtype or with NaN / Inf, an unknown activation, a non-finite alpha or limit, limit <= 0)
+are refused naming the op and the input or attribute."""
 
 from __future__ import annotations
 
@@ -73,6 +75,16 @@ def valid_inputs(draw):
     gl = _group_list(rng, m, e, draw(st.sampled_from(["full", "partial"])), gl_type)
     ins = {"x": x, "weight": _weight(w, layout), "weight_scale": ws, "x_scale": xs, "group_list": gl}
     attrs = {"group_list_type": gl_type, "weight_layout": layout}
+    bias = draw(st.sampled_from([None, 1.0, 30.0, 1e30, 3e38]))
+    if bias is not None:
+        ins["bias"] = rng.uniform(-bias, bias, (e, n)).astype(np.float32)
+    if op == "GroupedMatmulSwigluQuant":
+        act = draw(st.sampled_from([None, "swiglu", "swiglu_oai"]))
+        if act is not None:
+            attrs["activation"] = act
+        if act == "swiglu_oai" and draw(st.booleans()):
+            attrs["alpha"] = draw(st.floats(-4.0, 4.0, width=32))
+            attrs["limit"] = draw(st.one_of(st.floats(0.0009765625, 50.0, width=32), st.sampled_from([1e-30, 1e30])))
     return op, ins, attrs, draw(gemm_isas())
 
 
@@ -95,7 +107,8 @@ def test_matches_reference(case):
 
 INVALID = ("odd_n", "k_past_bound", "gl_decreasing", "gl_past_m", "gl_negative_count", "gl_counts_past_m",
            "gl_shape", "gl_dtype", "x_rank", "weight_k", "weight_scale_shape", "x_scale_shape", "x_scale_nan",
-           "x_dtype", "scale_dtype", "layout", "gl_type", "en16k4_k", "misaligned")
+           "x_dtype", "scale_dtype", "layout", "gl_type", "en16k4_k", "misaligned", "bias_shape", "bias_dtype",
+           "bias_nonfinite", "activation", "limit", "alpha")
 
 
 @st.composite
@@ -171,6 +184,27 @@ def invalid_inputs(draw):
         bad = ["x", "weight_layout"]
         attrs["weight_layout"] = "EN16K4"
         ins["weight"] = np.zeros((e, -(-n // 16), -(-k // 4), 16, 4), np.int8)
+    elif kind == "bias_shape":
+        bad = "bias"
+        ins["bias"] = np.zeros(draw(st.sampled_from([(e, n + 1), (e + 1, n), (e * n,), (1, e, n)])), np.float32)
+    elif kind == "bias_dtype":
+        bad = "bias"
+        ins["bias"] = np.zeros((e, n), draw(st.sampled_from([np.float16, np.float64, np.int32])))
+    elif kind == "bias_nonfinite":
+        bad = "bias"
+        ins["bias"] = np.zeros((e, n), np.float32)
+        ins["bias"][int(rng.integers(0, e)), int(rng.integers(0, n))] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    elif kind == "activation" and op == "GroupedMatmulSwigluQuant":
+        bad = "activation"
+        attrs["activation"] = draw(st.sampled_from(["gelu", "silu", "SWIGLU", "swiglu_oai ", "relu"]))
+    elif kind == "limit" and op == "GroupedMatmulSwigluQuant":
+        bad = "limit"
+        attrs["activation"] = "swiglu_oai"
+        attrs["limit"] = draw(st.sampled_from([0.0, -0.0, -1.0, -7.0, float("inf"), float("nan"), -1e-30]))
+    elif kind == "alpha" and op == "GroupedMatmulSwigluQuant":
+        bad = "alpha"
+        attrs["activation"] = "swiglu_oai"
+        attrs["alpha"] = draw(st.sampled_from([float("inf"), float("-inf"), float("nan")]))
     elif kind == "gl_type":
         bad = "group_list_type"
         attrs["group_list_type"] = draw(st.sampled_from([2, -1, 7]))

@@ -16,13 +16,15 @@
 //
 // Exactness: int32 accumulation is exact for K <= kMaxK even with -128 codes in x and W (every
 // product is <= 2^14 in size; SIMD paths that wrap modulo 2^32 mid-way still end exact because
-// the true sum fits). float32 epilogue: C = (float(acc) * x_scale[r]) * w_scale[n], then SwiGLU
-// by _moe.py's recipe; every variant does the same operations, so results match bit for bit.
+// the true sum fits). float32 epilogue: C = (float(acc) * x_scale[r]) * w_scale[n], then
+// + bias[n] when there is a bias (in natural column order, after packed columns are put back),
+// then the activation (activation.h) by _moe.py's recipe; every variant does the same operations, so results match bit for bit.
 #pragma once
 
 #include <cstdint>
 
 #include "common/cpu_features.h"
+#include "ops/grouped_matmul/activation.h"
 
 namespace ort_ops::grouped_matmul {
 
@@ -46,6 +48,8 @@ struct TileArgs {
   int64_t width;          // columns of the segment (<= 512 dequant, <= 256 SwiGLU)
   float* out;             // dequant: y + col0 of the first row; SwiGLU: S + col0
   int64_t ldo;            // floats between output rows
+  const float* bias = nullptr;  // [n] of this expert, or nullptr (no bias)
+  Act act;                // SwiGLU mode's activation
 };
 
 // Few-row experts (rows <= kGemvRows): partial int32 sums of the rows over weight rows [k0, k1)
@@ -71,6 +75,8 @@ struct GemvFinishArgs {
   const float* w_scale;     // [n]
   float* out;               // dequant: y rows [n]; SwiGLU: S rows [n / 2]
   int64_t ldo;
+  const float* bias = nullptr;  // [n], or nullptr
+  Act act;
 };
 using GemvPartialFn = void (*)(const GemvArgs& g);
 using GemvFinishFn = bool (*)(const GemvFinishArgs& f, int64_t* bad_row);
@@ -132,5 +138,11 @@ Kernels kernels_for(CpuIsa isa);
 
 // The scalar float32 recipe, shared with the SIMD tails: S = (a / (1 + exp_f32(-a))) * g.
 float swiglu_scalar(float a, float g);
+// gpt-oss's clamped SwiGLU (activation.h), the same operations in the same order.
+float swiglu_oai_scalar(float a, float g, float alpha, float limit);
+// S of `act` for one (A, G) pair.
+inline float activation_scalar(const Act& act, float a, float g) {
+  return act.kind == Activation::kSwigluOai ? swiglu_oai_scalar(a, g, act.alpha, act.limit) : swiglu_scalar(a, g);
+}
 
 }  // namespace ort_ops::grouped_matmul

@@ -24,6 +24,15 @@ float swiglu_scalar(float a, float g) {
   return s * g;
 }
 
+float swiglu_oai_scalar(float a, float g, float alpha, float limit) {
+  a = std::fmin(a, limit);
+  g = std::fmin(std::fmax(g, -limit), limit);
+  const float e = exp_f32_scalar(-(alpha * a));
+  const float d = 1.0f + e;
+  const float s = a / d;
+  return (g + 1.0f) * s;
+}
+
 bool tile_scalar(const TileArgs& a, int64_t* bad_row) {
   const bool swiglu = a.mode == Mode::kSwiglu;
   const int64_t seg_cols[2] = {a.col0, a.n / 2 + a.col0};
@@ -44,6 +53,9 @@ bool tile_scalar(const TileArgs& a, int64_t* bad_row) {
     for (int s = 0; s < nseg; ++s)
       for (int64_t j = 0; j < a.width; ++j)
         c[s][j] = (static_cast<float>(acc[s][j]) * xs) * a.w_scale[seg_cols[s] + j];
+    if (a.bias != nullptr)
+      for (int s = 0; s < nseg; ++s)
+        for (int64_t j = 0; j < a.width; ++j) c[s][j] = c[s][j] + a.bias[seg_cols[s] + j];
     float* out = a.out + r * a.ldo;
     if (!swiglu) {
       std::copy(c[0], c[0] + a.width, out);
@@ -54,7 +66,7 @@ bool tile_scalar(const TileArgs& a, int64_t* bad_row) {
         *bad_row = r;
         return false;
       }
-      out[j] = swiglu_scalar(c[0][j], c[1][j]);
+      out[j] = activation_scalar(a.act, c[0][j], c[1][j]);
     }
   }
   return true;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -161,6 +162,15 @@ Problem read_problem(const char* op, const Inputs& in, int64_t group_list_type, 
   if (group_list_type != 0 && group_list_type != 1)
     fail_invalid(op, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ",
                  group_list_type);
+  if (in.bias.present) {
+    // A NaN or Inf bias would make every row of its expert non-finite (SwiGLU: refused per row;
+    // dequant: silently NaN), so it is refused as an input, the way the reference does.
+    const float* b = in.bias.ptr<float>();
+    for (int64_t i = 0; i < p.e * p.n; ++i)
+      if (!std::isfinite(b[i]))
+        fail_invalid(op, "input 'bias' must be finite, got NaN or Inf at expert ", i / p.n, ", column ", i % p.n);
+    p.bias = b;
+  }
 
   const int64_t* g = gl.ptr<int64_t>();
   p.ends.resize(static_cast<size_t>(p.e));
@@ -222,7 +232,7 @@ Problem read_problem_layout(const char* op, Ort::KernelContext& ctx, WeightLayou
 }
 
 void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
-               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done) {
+               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done, const Act& act) {
   if (p.rows_used == 0) return;
   const int64_t cols = mode == Mode::kSwiglu ? p.n / 2 : p.n;
   const int64_t tile_w = mode == Mode::kSwiglu ? kHalfCols : kTileCols;
@@ -349,6 +359,8 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       f.w_scale = p.w_scale + g.e * p.n;
       f.out = out + g.r0 * ldo;
       f.ldo = ldo;
+      f.bias = p.bias ? p.bias + g.e * p.n : nullptr;
+      f.act = act;
       int64_t row = -1;
       if (!kern.gemv_finish(f, &row)) {
         report(g.r0 + row);
@@ -400,6 +412,8 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
       a.width = t.width;
       a.out = out + t.r0 * ldo + a.col0;
       a.ldo = ldo;
+      a.bias = p.bias ? p.bias + t.e * p.n : nullptr;
+      a.act = act;
       int64_t row = -1;
       if (!(t.panel ? kern.panel : kern.tile)(a, &row)) report(t.r0 + row);
     }

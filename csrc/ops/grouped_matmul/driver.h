@@ -25,6 +25,7 @@ struct Problem {
   bool w_quads = false;  // w is [E, ceil(N/16), K/4, 16, 4] ("EN16K4"): needs kern.panel; every expert
                          // runs as panels
   std::vector<float> w_scale_f32, x_scale_f32;  // filled only for float16 scales
+  const float* bias = nullptr;                  // [E, N] float32, or nullptr (no bias input)
   const float* w_scale = nullptr;               // [E, N]
   const float* x_scale = nullptr;               // [M]
   std::vector<int64_t> ends;                    // end row of each expert's group
@@ -38,7 +39,8 @@ struct Problem {
 // a kernel or file system that refuses is ignored.
 void advise_weight_pages(const OrtKernelInfo* info, size_t index);
 
-// Validates inputs 0..4 and the attribute value; throws OpError naming the op and the input.
+// Validates inputs 0..5 (bias: dtype, shape and, on the CPU, finite values) and the attribute
+// value; throws OpError naming the op and the input.
 Problem read_problem(const char* op, Ort::KernelContext& ctx, int64_t group_list_type, bool even_n);
 // The same on inputs already read (a caller that first maps another weight layout to the logical
 // [E, K, N] shape for validation; p.w is the weight's data as given).
@@ -64,11 +66,13 @@ Problem read_problem_layout(const char* op, Ort::KernelContext& ctx, WeightLayou
 // k block) partial-sum task then one epilogue task per expert, over ORT's pool.
 //   kDequant: out = y [M, N] (ldo = N), columns [0, N).
 //   kSwiglu:  out = S [M, N/2] (ldo = N/2), A/G column pairs [0, N/2).
-// Rows past rows_used are not touched. A non-finite C in a SwiGLU tile fails the Run.
+// C includes p.bias when there is one; kSwiglu applies `act`. Rows past rows_used are not
+// touched. A non-finite C in a SwiGLU tile fails the Run.
 // rows_done(r0, r1) (optional) runs in the second phase once rows [r0, r1) are complete: the
 // SwiGLU op quantizes them there, saving a third barrier.
 using RowsDoneFn = std::function<void(int64_t r0, int64_t r1)>;
 void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
-               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done = nullptr);
+               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done = nullptr,
+               const Act& act = Act{});
 
 }  // namespace ort_ops::grouped_matmul

@@ -151,6 +151,21 @@ inline __m256 swiglu8(__m256 a, __m256 g) {
   return _mm256_mul_ps(_mm256_div_ps(a, d), g);
 }
 
+// swiglu_oai_scalar's operations on 8 lanes (min/max of finite values equal fmin/fmax; a NaN
+// lane is refused by the caller's finiteness check).
+inline __m256 swiglu_oai8(__m256 a, __m256 g, float alpha, float limit) {
+  const __m256 lim = _mm256_set1_ps(limit);
+  a = _mm256_min_ps(a, lim);
+  g = _mm256_min_ps(_mm256_max_ps(g, _mm256_set1_ps(-limit)), lim);
+  const __m256 neg = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(alpha), a), _mm256_set1_ps(-0.0f));
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(neg));
+  return _mm256_mul_ps(_mm256_add_ps(g, _mm256_set1_ps(1.0f)), _mm256_div_ps(a, d));
+}
+
+inline __m256 activation8(const Act& act, __m256 a, __m256 g) {
+  return act.kind == Activation::kSwigluOai ? swiglu_oai8(a, g, act.alpha, act.limit) : swiglu8(a, g);
+}
+
 // Non-finite lanes (NaN or +-Inf) as a mask.
 inline __m256 not_finite8(__m256 v) {
   const __m256 abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
@@ -163,6 +178,11 @@ inline __m256 not_finite8(__m256 v) {
 inline bool finish_row_n(const TileArgs& a, const float* packed, const int32_t* colmap, float* out,
                          int64_t cols, int64_t pitch, float* c) {
   for (int64_t p = 0; p < cols; ++p) c[colmap[p]] = packed[p];
+  if (a.bias != nullptr) {  // one float32 add per live column, in natural order
+    for (int64_t j = 0; j < a.width; ++j) c[j] = c[j] + a.bias[a.col0 + j];
+    if (a.mode == Mode::kSwiglu)
+      for (int64_t j = 0; j < a.width; ++j) c[pitch + j] = c[pitch + j] + a.bias[a.n / 2 + a.col0 + j];
+  }
   if (a.mode == Mode::kDequant) {
     std::memcpy(out, c, static_cast<size_t>(a.width) * sizeof(float));
     return true;
@@ -171,7 +191,7 @@ inline bool finish_row_n(const TileArgs& a, const float* packed, const int32_t* 
   for (int64_t j = 0; j < a.width; j += 8) {
     const __m256 av = _mm256_loadu_ps(c + j), gv = _mm256_loadu_ps(c + pitch + j);
     bad = _mm256_or_ps(bad, _mm256_or_ps(not_finite8(av), not_finite8(gv)));
-    const __m256 s = swiglu8(av, gv);
+    const __m256 s = activation8(a.act, av, gv);
     if (a.width - j >= 8) {
       _mm256_storeu_ps(out + j, s);
     } else {
@@ -366,6 +386,8 @@ bool gemv_finish_simd(const GemvFinishArgs& f, int64_t* bad_row) {
                                                (static_cast<uint32_t>(corr_buf[p]) << 7));
       c[col] = (static_cast<float>(acc) * xs) * f.w_scale[col];
     }
+    if (f.bias != nullptr)
+      for (int64_t col = 0; col < f.n; ++col) c[col] = c[col] + f.bias[col];
     float* out = f.out + r * f.ldo;
     if (f.mode == Mode::kDequant) {
       std::memcpy(out, c, static_cast<size_t>(f.n) * sizeof(float));
@@ -377,12 +399,12 @@ bool gemv_finish_simd(const GemvFinishArgs& f, int64_t* bad_row) {
     for (; j + 8 <= h; j += 8) {
       const __m256 av = _mm256_loadu_ps(c + j), gv = _mm256_loadu_ps(c + h + j);
       bad = _mm256_or_ps(bad, _mm256_or_ps(not_finite8(av), not_finite8(gv)));
-      _mm256_storeu_ps(out + j, swiglu8(av, gv));
+      _mm256_storeu_ps(out + j, activation8(f.act, av, gv));
     }
     bool ok = _mm256_movemask_ps(bad) == 0;
     for (; j < h; ++j) {
       if (!std::isfinite(c[j]) || !std::isfinite(c[h + j])) ok = false;
-      out[j] = swiglu_scalar(c[j], c[h + j]);
+      out[j] = activation_scalar(f.act, c[j], c[h + j]);
     }
     if (!ok) {
       *bad_row = r;

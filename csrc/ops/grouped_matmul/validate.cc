@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: MIT
 #include "ops/grouped_matmul/validate.h"
 
+#include <cmath>
+#include <string>
+
 namespace ort_ops::grouped_matmul {
 
 constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
@@ -10,7 +13,7 @@ constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 
 Inputs read_inputs(const Ort::KernelContext& ctx) {
   return Inputs{read_input(ctx, 0), read_input(ctx, 1), read_input(ctx, 2), read_input(ctx, 3),
-                read_input(ctx, 4)};
+                read_input(ctx, 4), read_input(ctx, 5)};
 }
 
 Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const DeviceChecks& device) {
@@ -38,6 +41,10 @@ Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const Device
   require_shape(op, "x_scale", xs, {d.m});
   require_dtype(op, "group_list", gl, {I64});
   require_shape(op, "group_list", gl, {d.e});
+  if (in.bias.present) {
+    require_dtype(op, "bias", in.bias, {F32});
+    require_shape(op, "bias", in.bias, {d.e, d.n});
+  }
   return d;
 }
 
@@ -47,15 +54,15 @@ const OpSignature& swiglu_quant_signature() {
   constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
   constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  static const OpSignature sig{"GroupedMatmulSwigluQuant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}}, {{I8}, {F32}, {F32}}};
+  static const OpSignature sig{"GroupedMatmulSwigluQuant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}, {ANY, true}}, {{I8}, {F32}, {F32}}};
   return sig;
 }
 
-// As GroupedMatmulSwigluQuant; the output is fixed float32.
+// As GroupedMatmulSwigluQuant (input 5, bias, optional); the output is fixed float32.
 const OpSignature& dequant_signature() {
   constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  static const OpSignature sig{"GroupedMatmulDequant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}}, {{F32}}};
+  static const OpSignature sig{"GroupedMatmulDequant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}, {ANY, true}}, {{F32}}};
   return sig;
 }
 
@@ -64,6 +71,23 @@ int64_t read_group_list_type(const char* op, const OrtKernelInfo* info) {
   if (t != 0 && t != 1)
     fail_invalid(op, "attribute 'group_list_type' must be 0 (cumulative) or 1 (counts), got ", t);
   return t;
+}
+
+Act read_activation(const char* op, const OrtKernelInfo* info) {
+  Act act;
+  const std::string s = attr_string(info, "activation", "");
+  if (s == "swiglu_oai")
+    act.kind = Activation::kSwigluOai;
+  else if (s.empty() && has_attr(info, "activation"))
+    fail_invalid(op, "attribute 'activation' must be 'swiglu' or 'swiglu_oai', got a non-string value");
+  else if (!s.empty() && s != "swiglu")
+    fail_invalid(op, "attribute 'activation' must be 'swiglu' or 'swiglu_oai', got '", s, "'");
+  act.alpha = attr_float(info, "alpha", kOaiAlpha);
+  act.limit = attr_float(info, "limit", kOaiLimit);
+  if (!std::isfinite(act.alpha)) fail_invalid(op, "attribute 'alpha' must be finite, got ", act.alpha);
+  if (!(std::isfinite(act.limit) && act.limit > 0.0f))
+    fail_invalid(op, "attribute 'limit' must be finite and > 0, got ", act.limit);
+  return act;
 }
 
 }  // namespace ort_ops::grouped_matmul

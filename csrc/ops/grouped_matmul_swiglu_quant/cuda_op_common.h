@@ -44,6 +44,7 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
                   &gl = in.group_list;
   const grouped_matmul::Dims d = grouped_matmul::validate_inputs(op, in, swiglu, {});
+  if (in.bias.present) fail_unsupported(op, "input 'bias' is not supported on the CUDA EP yet");
   const int64_t m = d.m, k = d.k, e = d.e, n = d.n;
   // The kernel's needs: exact int32 sums, 16-byte rows of x and weight, the second column half
   // starting at N/2 on a 16-byte boundary.
@@ -121,10 +122,13 @@ class GroupedOpCuda final : public KernelImpl {
         swiglu_(swiglu),
         group_list_type_(grouped_matmul::read_group_list_type(op, info)),
         layout_(gmsq_layout::read_weight_layout(op, info)),
+        act_(swiglu ? grouped_matmul::read_activation(op, info) : grouped_matmul::Act{}),
         status_([this](int bits) { return describe_error(op_, bits, group_list_type_, rows_.load()); }) {}
 
   void compute(Ort::KernelContext& ctx) override {
     status_.raise_pending();
+    if (act_.kind != grouped_matmul::Activation::kSwiglu)
+      fail_unsupported(op_, "attribute 'activation' 'swiglu_oai' is not supported on the CUDA EP yet");
     if (!swiglu_ && layout_ == gmsq_layout::WeightLayout::kENK)
       fail_unsupported(op_, "weight_layout 'ENK' is not supported on CUDA (the kernel reads K-major weights "
                             "only in GroupedMatmulSwigluQuant); use 'EKN'");
@@ -137,6 +141,7 @@ class GroupedOpCuda final : public KernelImpl {
   bool swiglu_;
   int64_t group_list_type_;
   gmsq_layout::WeightLayout layout_;
+  grouped_matmul::Act act_;
   std::atomic<int64_t> rows_{0};
   cuda_util::DeviceStatus status_;
 };

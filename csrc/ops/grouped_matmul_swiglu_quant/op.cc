@@ -41,6 +41,7 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
       : isa_(selected_isa(kOp)),
         group_list_type_(grouped_matmul::read_group_list_type(kOp, info)),
         layout_(gmsq_layout::read_weight_layout(kOp, info)),
+        act_(grouped_matmul::read_activation(kOp, info)),
         kernels_(grouped_matmul::kernels_for(isa_)),
         quantize_row_(dynamic_quant::quantize_row_fn(isa_)) {
     grouped_matmul::advise_weight_pages(info, 1);
@@ -72,13 +73,14 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
           fail_invalid(kOp, "row ", r,
                        ": the SwiGLU output overflows float32; check inputs 'x_scale' and 'weight_scale'");
     };
-    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h, quantize_rows);
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h, quantize_rows, act_);
   }
 
  private:
   CpuIsa isa_;
   int64_t group_list_type_;
   WeightLayout layout_;
+  grouped_matmul::Act act_;
   grouped_matmul::Kernels kernels_;
   dynamic_quant::QuantizeRowFn quantize_row_;
 };
