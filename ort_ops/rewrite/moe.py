@@ -12,7 +12,11 @@ B batch, S sequence.
 Expert weights come from constant initializers and are quantized offline per output channel
 (``ort_ops.ops.moe_layer.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
 the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, H] with scales
-[E, H]. With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
+[E, H]. gpt-oss's interleaved gate/up columns (gate = [..., ::2], up = [..., 1::2]) are permuted
+offline into that [gate | up] order, and so are its gate_up biases; expert biases go to the
+GEMMs' bias inputs (float32 [E, 2I] and [E, H]) and its clamped SwiGLU to
+GroupedMatmulSwigluQuant's ``activation="swiglu_oai"`` with the alpha and limit the graph holds.
+With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
 gate_up is stored transposed, int8 [E, 2I, H], and GroupedMatmulSwigluQuant says so with its
 attribute ``weight_layout="ENK"``: the Hopper wgmma kernel's operand, packed here offline (same
 outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stores both GEMMs'
@@ -22,22 +26,33 @@ weight_layout="EN16K4" (a weight whose K, H or I, is not a multiple of 4 keeps "
 The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
 with the graph's own routing.
 
-Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py``): torch.onnx dynamo
-and legacy with transformers' ``batched_mm`` experts (GatherND of stacked weights, batched MatMul),
+Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py`` and
+``graphs/export_moe_families.py``): torch.onnx dynamo and legacy with transformers' ``batched_mm``
+experts (GatherND of stacked weights, batched MatMul) for Mixtral, Qwen2/3-MoE, DeepSeek-V3 and
+gpt-oss,
 transformers 5.x's exporter (sort by expert, per-expert unrolled Range/Gather/MatMul/Concat),
 optimum's unrolled per-expert loop (NonZero/Gather/three MatMuls/ScatterElements), and the
 ``com.microsoft`` ``MoE`` / ``QMoE`` nodes (silu with fc3, or interleaved swiglu at alpha 1,
 beta 0; QMoE's 8/4-bit codes dequantized, then re-quantized by the rule above). A shared expert
-added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``).
+added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``;
+DeepSeek-V3's n_shared_experts are one MLP of their summed width, over the [B, S, H] hidden state).
 
 float16 blocks run the chain on float16 activations (the ops take them) with one Cast of the
 float32 output back to float16; bfloat16 ones are not fused (the probe runs on ORT's CPU
 provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
 and Identities between its GEMM, its Softmax and the TopK.
 
-Not handled (declined with a reason): routers that are not a softmax over a linear projection
-(e.g. sigmoid scores with a selection bias), expert biases, activations other than SiLU-gated, MoE
-blocks inside subgraphs.
+Routers kept as the graph computes them: softmax over a linear projection then TopK (Mixtral,
+Qwen), TopK of the logits then a Softmax of the K values (gpt-oss, with its router bias), and
+DeepSeek-V3's sigmoid router (the selection TopK ranks the scores plus a correction bias,
+group-limited by further TopKs; the weights are the unbiased scores gathered at the selected ids,
+renormalized and multiplied by routed_scaling_factor).
+
+Not handled (declined with a reason): routers whose weights are neither a softmax of scores nor
+sigmoid scores gathered at the selection (e.g. raw top-k logits), activations other than SiLU-gated
+and gpt-oss's clamped SwiGLU (a Gelu, or a clamp whose up bounds are not [-limit, limit]), expert
+biases in unrolled per-expert forms and in com.microsoft MoE/QMoE nodes, swiglu with alpha != 1
+or a limit in com.microsoft nodes, MoE blocks inside subgraphs.
 
 Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ
 in dozens of index-plumbing nodes (OneHot/Tile, ScatterElements/CumSum, NonZero, GatherND) and
@@ -45,17 +60,21 @@ the unrolled ones repeat a subgraph E times, which a fixed pattern cannot expres
 anchors on what every form shares and proves the rest:
 
 1. the router: a ``TopK`` over ``Softmax(Gemm|MatMul(x, W_router))`` (or the TopK of the logits
-   followed by a Softmax of the K values) with a constant router weight; the top-k weights are
+   followed by a Softmax of the K values), or a selection TopK whose ids gather the weights from
+   ``Sigmoid(Gemm|MatMul(x, W_router))``, with a constant router weight; the top-k weights are
    followed through the [T, K] chain that renormalizes / rescales them, and used as the graph
    computes them;
 2. the block output: a post-dominator of the TopK (every path from the router to the model's
    outputs passes through it); the block is everything between the hidden state and it;
-3. structure inside the block: every expert activation is ``x * Sigmoid(x) * up`` (SiLU-gated;
-   any other activation op declines), one gated product for stacked weights or exactly E of them
+3. structure inside the block: every expert activation is ``x * Sigmoid(x) * up`` (SiLU-gated)
+   or ``(Clip(up, -limit, limit) + 1) * a * Sigmoid(alpha * a)`` with ``a = Clip(gate, max=limit)``
+   (gpt-oss; alpha and limit read from the graph's constants), all the same (any other activation
+   op declines), one gated product for stacked weights or exactly E of them
    for unrolled experts (fewer: a trace specialized to the experts its example input hit, which
    is wrong for other inputs: declined), no non-constant float tensor read besides the hidden
    state (weights must be initializers);
-4. the weights' roles (gate / up / down, orientation, expert order) are read from the constants
+4. the weights' roles (gate / up / down, halves or interleaved columns, orientation, expert order,
+   which rank-2 [E, N] constants are biases) are read from the constants
    and confirmed by running the original model on probe inputs (a long prompt hitting every
    expert, and a single token): the block output must equal the float MoE of the extracted
    weights and the graph's routing to float32 rounding (``PROBE_RTOL``), or the block declines.
@@ -75,6 +94,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
+from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -115,13 +135,41 @@ class _Candidate:
     router_nodes: frozenset = frozenset()  # a sigmoid router's Sigmoid: not an expert activation
 
 
+@dataclasses.dataclass(frozen=True)
+class _Activation:
+    """The experts' gated activation as GroupedMatmulSwigluQuant's attributes name it: "swiglu"
+    (SiLU(gate) * up) or "swiglu_oai" (gpt-oss's clamped form, with the graph's alpha and limit)."""
+
+    name: str = "swiglu"
+    alpha: float = OAI_ALPHA
+    limit: float = OAI_LIMIT
+
+    def attrs(self) -> dict:
+        return {} if self.name == "swiglu" else {"activation": self.name, "alpha": self.alpha, "limit": self.limit}
+
+
+SILU = _Activation()
+
+
+@dataclasses.dataclass
+class _Reading:
+    """One interpretation of a block's constants as expert weights (x @ W orientation)."""
+
+    w_gate: np.ndarray         # [E, H, I]
+    w_up: np.ndarray           # [E, H, I]
+    w_down: np.ndarray         # [E, I, H]
+    desc: str
+    b_gate: np.ndarray | None = None  # [E, I]
+    b_up: np.ndarray | None = None    # [E, I]
+    b_down: np.ndarray | None = None  # [E, H]
+
+
 @dataclasses.dataclass
 class _Block:
     cand: _Candidate
     out: ir.Value
-    w_gate: np.ndarray         # [E, H, I]  (x @ W orientation)
-    w_up: np.ndarray           # [E, H, I]
-    w_down: np.ndarray         # [E, I, H]
+    w: _Reading
+    act: _Activation
     form: str
     reshape_to_hidden: bool
 
@@ -410,10 +458,70 @@ def _follow_weights(values: ir.Value, routing: str) -> tuple[ir.Value, str]:
 # step 3: structure inside the block
 
 
-def _gated_products(graph: ir.Graph, region: set[ir.Node],
-                    router_nodes: frozenset = frozenset()) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
-    """(gate pre-activation, up, product) of every ``a * Sigmoid(a) * b`` in the region, in graph
-    order (an unrolled loop's order is its expert order); the Sigmoid of a sigmoid router (in
+def _scalar(v: ir.Value | None) -> float | None:
+    c = _const(v)
+    return float(c.reshape(-1)[0]) if c is not None and c.size == 1 else None
+
+
+def _other_input(n: ir.Node, v: ir.Value) -> ir.Value | None:
+    """The other operand of a binary node that reads ``v``."""
+    if len(n.inputs) != 2 or v not in n.inputs:
+        return None
+    return n.inputs[1] if n.inputs[0] is v else n.inputs[0]
+
+
+def _clip_bounds(v: ir.Value) -> tuple[ir.Value, float, float] | None:
+    """(input, min, max) when ``v`` is Clip(input, min, max) with constant (or absent) bounds."""
+    n = v.producer()
+    if n is None or n.op_type != "Clip" or n.domain not in ("", "ai.onnx"):
+        return None
+    ins = list(n.inputs) + [None, None]
+    lo = -np.inf if ins[1] is None else _scalar(ins[1])
+    hi = np.inf if ins[2] is None else _scalar(ins[2])
+    if lo is None or hi is None:
+        return None
+    return n.inputs[0], lo, hi
+
+
+def _oai_product(s: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value, _Activation] | None:
+    """gpt-oss's clamped SwiGLU around the Sigmoid ``s``, as exported:
+    ``(Clip(up, -limit, limit) + 1) * (a * Sigmoid(a * alpha))`` with ``a = Clip(gate, max=limit)``.
+    Returns (gate, up, product, activation with the graph's alpha and limit) or None."""
+    m = s.inputs[0].producer()
+    if m is None or m.op_type != "Mul":
+        return None
+    a = next((i for i in m.inputs if _clip_bounds(i) is not None), None)
+    alpha = _scalar(_other_input(m, a)) if a is not None else None
+    if alpha is None:
+        return None
+    gate, lo, limit = _clip_bounds(a)
+    glu = next((n for n in _consumers(s.outputs[0]) if n.op_type == "Mul" and set(n.inputs) == {a, s.outputs[0]}), None)
+    if glu is None or lo != -np.inf:
+        return None
+    for p in _consumers(glu.outputs[0]):
+        plus = _other_input(p, glu.outputs[0]) if p.op_type == "Mul" else None
+        add = plus.producer() if plus is not None else None
+        if add is None or add.op_type != "Add":
+            continue
+        g = next((i for i in add.inputs if _clip_bounds(i) is not None), None)
+        if g is None or _scalar(_other_input(add, g)) != 1.0:
+            continue
+        up, ulo, uhi = _clip_bounds(g)
+        if (ulo, uhi) != (-limit, limit):
+            raise _Declined(f"clamped SwiGLU with gate limit {limit} and up clamp [{ulo}, {uhi}]: not "
+                            "swiglu_oai's [-limit, limit]")
+        if not (np.isfinite(alpha) and np.isfinite(limit) and limit > 0):
+            raise _Declined(f"clamped SwiGLU with alpha {alpha}, limit {limit}: swiglu_oai needs finite values, "
+                            "limit > 0")
+        return gate, up, p.outputs[0], _Activation("swiglu_oai", alpha, limit)
+    return None
+
+
+def _gated_products(graph: ir.Graph, region: set[ir.Node], router_nodes: frozenset = frozenset()
+                    ) -> list[tuple[ir.Value, ir.Value, ir.Value, _Activation]]:
+    """(gate pre-activation, up, product, activation) of every gated product in the region, in
+    graph order (an unrolled loop's order is its expert order): ``a * Sigmoid(a) * b`` (SiLU) or
+    gpt-oss's clamped SwiGLU (``_oai_product``). The Sigmoid of a sigmoid router (in
     ``router_nodes``) is not an expert's."""
     out = []
     for s in graph:
@@ -423,13 +531,22 @@ def _gated_products(graph: ir.Graph, region: set[ir.Node],
         silu = next((m for m in _consumers(s.outputs[0]) if m.op_type == "Mul"
                      and set(m.inputs) == {a, s.outputs[0]}), None)
         if silu is None:
-            raise _Declined("a Sigmoid in the experts is not part of x * Sigmoid(x) (not SiLU)")
+            oai = _oai_product(s)
+            if oai is None:
+                raise _Declined("a Sigmoid in the experts is neither x * Sigmoid(x) (SiLU) nor gpt-oss's clamped "
+                                "SwiGLU (Clip(up) + 1) * a * Sigmoid(alpha * a)")
+            out.append(oai)
+            continue
         prods = [m for m in _consumers(silu.outputs[0]) if m.op_type == "Mul"]
         if len(prods) != 1:
             raise _Declined("the experts' SiLU is not multiplied by an up projection (not SiLU-gated)")
         p = prods[0]
         b = p.inputs[1] if p.inputs[0] is silu.outputs[0] else p.inputs[0]
-        out.append((a, b, p.outputs[0]))
+        out.append((a, b, p.outputs[0], SILU))
+    if len({act for *_, act in out}) > 1:
+        raise _Declined("the experts use different activations: " + ", ".join(sorted({
+            f"{act.name}" + (f" (alpha {act.alpha}, limit {act.limit})" if act.name != "swiglu" else "")
+            for *_, act in out})))
     return out
 
 
@@ -462,7 +579,7 @@ def _weight_constants(region: set[ir.Node], h: int) -> list[np.ndarray]:
         seen.add(v)
         c = _const(v)
         if c is not None:
-            if c.ndim >= 2 and c.size >= h:
+            if c.ndim >= 2 and c.size >= h or c.ndim == 2:  # (rank 2: biases [E, N] may be small)
                 found.append(c)
             continue
         p = v.producer()
@@ -530,7 +647,7 @@ def _down_of(p: ir.Value, inter: int) -> np.ndarray | None:
 def _unrolled_weights(products, hidden: int):
     """Per-expert (gate [H, I], up [H, I], down [I, H]) from E gated products, in graph order."""
     experts = []
-    for a, b, p in products:
+    for a, b, p, _ in products:
         ga, gb = _trace_weight(a, hidden), _trace_weight(b, hidden)
         if ga is None or gb is None:
             raise _Declined("an unrolled expert's gate/up is not a projection by a constant weight")
@@ -544,13 +661,16 @@ def _unrolled_weights(products, hidden: int):
         if wd is None or wd.shape != (wg.shape[1], hidden):
             raise _Declined("an unrolled expert's down projection is not a constant weight")
         experts.append((wg, wu, wd))
-    return (np.stack([e[0] for e in experts]), np.stack([e[1] for e in experts]),
-            np.stack([e[2] for e in experts]))
+    return _Reading(np.stack([e[0] for e in experts]), np.stack([e[1] for e in experts]),
+                    np.stack([e[2] for e in experts]), "per-expert (unrolled)")
 
 
 def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
-    """Every reading of the block's rank-3 [E, ., .] constants as (gate, up, down, description)."""
+    """Every reading of the block's rank-3 [E, ., .] constants as expert weights (``_Reading``):
+    first without biases, then with every fitting choice of the rank-2 [E, N] constants as the
+    gate/up and down biases (gpt-oss's gate_up_proj_bias / down_proj_bias; the probe decides)."""
     stacks = [c for c in consts if c.ndim == 3 and c.shape[0] == e and h in c.shape[1:]]
+    rank2 = [c for c in consts if c.ndim == 2 and c.shape[0] == e]
 
     def as_in_out(c, in_dim):  # candidate [E, in, out] views of c whose input dim is in_dim
         views = []
@@ -560,6 +680,12 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
             views.append((c.transpose(0, 2, 1), "linear"))
         return views
 
+    # (gate, up, down, description, how a [E, 2I] gate_up bias splits into gate and up biases)
+    halves = [(lambda b, i: (b[:, :i], b[:, i:]), "gate first"), (lambda b, i: (b[:, i:], b[:, :i]), "up first")]
+    # gpt-oss interleaves the gate/up columns (gate = [..., ::2], up = [..., 1::2])
+    interleaved = [(lambda b, i: (b[:, 0::2], b[:, 1::2]), "interleaved, gate even"),
+                   (lambda b, i: (b[:, 1::2], b[:, 0::2]), "interleaved, up even")]
+    base = []
     for g, d in itertools.permutations(range(len(stacks)), 2):  # fused gate_up + down
         for gu, gdesc in as_in_out(stacks[g], h):
             if gu.shape[2] % 2:
@@ -568,8 +694,11 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
             for dn, ddesc in as_in_out(stacks[d], i):
                 if dn.shape[2] != h:
                     continue
-                yield gu[..., :i], gu[..., i:], dn, f"stacked gate_up ({gdesc}, gate first)"
-                yield gu[..., i:], gu[..., :i], dn, f"stacked gate_up ({gdesc}, up first)"
+                for split, how in halves + interleaved:
+                    # the weights' columns split like a bias's: apply the same split over [E*H, 2I]
+                    wg, wu = (w.reshape(e, h, i) for w in split(gu.reshape(e * h, 2 * i), i))
+                    base.append((wg, wu, dn, f"stacked gate_up ({gdesc}, {how})",
+                                 lambda b, i=i, split=split: split(b, i) if b.shape[1] == 2 * i else None))
     for gi, ui, di in itertools.permutations(range(len(stacks)), 3):  # separate gate, up, down
         for gg, _ in as_in_out(stacks[gi], h):
             for uu, _ in as_in_out(stacks[ui], h):
@@ -577,24 +706,44 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
                     continue
                 for dn, _ in as_in_out(stacks[di], gg.shape[2]):
                     if dn.shape[2] == h:
-                        yield gg, uu, dn, "stacked gate, up, down"
+                        base.append((gg, uu, dn, "stacked gate, up, down", None))
+    for wg, wu, wd, desc, _ in base:
+        yield _Reading(wg, wu, wd, desc)
+    for wg, wu, wd, desc, split in base:
+        inter = wg.shape[2]
+        gate_up_biases = [None] + [b for b in rank2 if split is not None and b.shape[1] == 2 * inter]
+        down_biases = [None] + [b for b in rank2 if b.shape[1] == h]
+        for bgu, bd in itertools.product(gate_up_biases, down_biases):
+            if bgu is None and bd is None:
+                continue
+            bg, bu = split(bgu) if bgu is not None else (None, None)
+            yield _Reading(wg, wu, wd, desc + " with biases", bg, bu, bd)
 
 
 # ---------------------------------------------------------------------------------------------
 # step 4: probe
 
 
-def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w_gate: np.ndarray,
-              w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math)."""
+def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w: _Reading, act: _Activation = SILU) -> np.ndarray:
+    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math), the
+    reading's optional biases added after each projection, ``act`` between them."""
     x64 = np.asarray(x, np.float64)
     out = np.zeros_like(x64)
-    for e in range(w_gate.shape[0]):
+
+    def bias(b, e):
+        return 0.0 if b is None else b[e].astype(np.float64)
+
+    for e in range(w.w_gate.shape[0]):
         t, j = np.nonzero(ids == e)
         if t.size:
-            g = x64[t] @ w_gate[e].astype(np.float64)
-            u = x64[t] @ w_up[e].astype(np.float64)
-            y = (g / (1 + np.exp(-g)) * u) @ w_down[e].astype(np.float64)
+            g = x64[t] @ w.w_gate[e].astype(np.float64) + bias(w.b_gate, e)
+            u = x64[t] @ w.w_up[e].astype(np.float64) + bias(w.b_up, e)
+            if act.name == "swiglu_oai":
+                g = np.minimum(g, act.limit)
+                h = (np.clip(u, -act.limit, act.limit) + 1) * (g / (1 + np.exp(-act.alpha * g)))
+            else:
+                h = g / (1 + np.exp(-g)) * u
+            y = h @ w.w_down[e].astype(np.float64) + bias(w.b_down, e)
             np.add.at(out, t, np.asarray(wts, np.float64)[t, j, None] * y)
     return out
 
@@ -808,7 +957,9 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
             _check_region(region, {cand.hidden, cand.x})
             products = _gated_products(model.graph, region, cand.router_nodes)
             if not products:
-                raise _Declined("no SiLU-gated expert MLP (x * Sigmoid(x) * up) between router and output")
+                raise _Declined("no gated expert MLP (SiLU x * Sigmoid(x) * up, or gpt-oss's clamped SwiGLU) "
+                                "between router and output")
+            act = products[0][3]
             consts = _weight_constants(region, h)
             if len(products) == 1:
                 interps = list(_stacked_interpretations(consts, e, h))
@@ -816,7 +967,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                 if not interps:
                     raise _Declined(f"no constant [E={e}, ., .] expert weights hold the H={h} dim")
             elif len(products) == e:
-                interps = [(*_unrolled_weights(products, h), "per-expert (unrolled)")]
+                interps = [_unrolled_weights(products, h)]
                 form = "unrolled"
             else:
                 raise _Declined(f"the graph computes {len(products)} of {e} experts: a trace specialized to "
@@ -826,7 +977,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
             continue
         # Step 4: the probe decides which reading (if any) the graph computes.
         shape_ok = False
-        for wg, wu, wd, desc in interps:
+        for reading in interps:
             ok = True
             for pr in probes:
                 got = pr.get(out.name)
@@ -838,17 +989,17 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                     ok = False
                     break
                 shape_ok = True
-                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd), x.dtype):
+                if not _matches(got, moe_float(x, ids, wts, reading, act), x.dtype):
                     ok = False
                     break
             if ok:
                 reshape = pr[out.name].ndim != 2
                 if reshape and tuple(pr[out.name].shape) != tuple(pr[cand.hidden.name].shape):
                     raise _Declined("the block output's shape is neither [T, H] nor the hidden state's")
-                return _Block(cand, out, wg, wu, wd, f"{form}: {desc}", reshape)
+                return _Block(cand, out, reading, act, f"{form}: {reading.desc}", reshape)
         if shape_ok:
-            last_error = ("the block output does not equal a SiLU-gated MoE of its constant weights "
-                          "under the graph's routing on probe inputs")
+            last_error = (f"the block output does not equal a {act.name}-gated MoE of its constant weights "
+                          "(with or without biases) under the graph's routing on probe inputs")
     raise _Declined(last_error)
 
 
@@ -918,12 +1069,16 @@ def _down_weight(dn_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict
 
 def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
                     w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                    weight_layout: str = "EKN") -> tuple[list[ir.Node], ir.Value, int]:
+                    weight_layout: str = "EKN", *, b_gate: np.ndarray | None = None,
+                    b_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
+                    act: _Activation = SILU) -> tuple[list[ir.Node], ir.Value, int]:
     """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
     gate/up [E, H, I], down [E, I, H]; ``weight_layout`` "EKN", "ENK" (the gate/up weight then
     stored [E, 2I, H]) or "EN16K4" (both weights as AMX B tiles, ``_swiglu_weight`` /
-    ``_down_weight``). Returns (nodes, out [T, H] float32, bytes of
-    the INT8 weights and scales). Nodes are not yet inserted."""
+    ``_down_weight``). Optional biases gate/up [E, I] (both or neither) and down [E, H] become the
+    GEMMs' float32 bias inputs ([E, 2I] as [gate | up], like the weight's columns); ``act`` sets
+    GroupedMatmulSwigluQuant's activation attributes. Returns (nodes, out [T, H] float32, bytes of
+    the INT8 weights, scales and biases). Nodes are not yet inserted."""
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     e = w_gate.shape[0]
@@ -935,6 +1090,14 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
              _initializer(graph, f"{prefix}/gate_up_scale", gu_s),
              _initializer(graph, f"{prefix}/down_int8", dn_q),
              _initializer(graph, f"{prefix}/down_scale", dn_s)]
+    nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
+    gu_bias = dn_bias = None
+    if b_gate is not None:
+        arr = np.concatenate([b_gate, b_up], axis=1).astype(np.float32)
+        gu_bias, nbytes = _initializer(graph, f"{prefix}/gate_up_bias", arr), nbytes + arr.nbytes
+    if b_down is not None:
+        arr = np.asarray(b_down, np.float32)
+        dn_bias, nbytes = _initializer(graph, f"{prefix}/down_bias", arr), nbytes + arr.nbytes
     nodes = []
 
     def add(op, inputs, num_outputs=1, domain=DOMAIN, tag="", **attrs):
@@ -952,12 +1115,13 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     # their scales (the same codes as quantizing each gathered copy, K times fewer rows to quantize).
     tq, ts = add("DynamicQuant", [x], 2)
     xq, s2f, groups, xs = add("MoeInitRouting", [tq, ids32, ts], 4, num_experts=e)
-    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
-    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
+    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups]
+                    + ([gu_bias] if gu_bias is not None else []), 3, **gu_attrs, **act.attrs())
+    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups]
+            + ([dn_bias] if dn_bias is not None else []), **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
     if x.dtype == ir.DataType.FLOAT16:  # MoeFinalizeRouting's output is float32 by contract
         out = add("Cast", [out], domain="", tag="_out", to=int(ir.DataType.FLOAT16))[0]
-    nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     return nodes, out, nbytes
 
 
@@ -974,8 +1138,10 @@ def _replace_block(model: ir.Model, block: _Block, weight_layout: str = "EKN") -
     graph = model.graph
     cand = block.cand
     prefix = f"moe_int8/{cand.topk.name or 'block'}"
-    nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights,
-                                         block.w_gate, block.w_up, block.w_down, weight_layout)
+    w = block.w
+    nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights, w.w_gate, w.w_up,
+                                         w.w_down, weight_layout, b_gate=w.b_gate, b_up=w.b_up, b_down=w.b_down,
+                                         act=block.act)
     if block.reshape_to_hidden:
         shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
         rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
@@ -1335,15 +1501,18 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
             result.fused += 1
             info = {
                 "where": b.cand.topk.name, "form": b.form, "experts": b.cand.num_experts,
-                "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
-                "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
+                "top_k": b.cand.k, "intermediate": b.w.w_gate.shape[2], "routing": b.cand.routing,
+                "activation": b.act.name if b.act.name == "swiglu" else
+                f"{b.act.name} (alpha {b.act.alpha:g}, limit {b.act.limit:g})",
+                "weight_bytes_before": sum(a.nbytes for a in (b.w.w_gate, b.w.w_up, b.w.w_down, b.w.b_gate,
+                                                              b.w.b_up, b.w.b_down) if a is not None),
                 "weight_bytes_after": nbytes}
             # The router's input and the hidden state it reshapes: dtype and rank as the probes saw them
             # (the same rank on every probe, the last dim H).
             proven = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype), probes[0][v.name].ndim)
                       for v in (b.cand.x, b.cand.hidden)
                       if len({p[v.name].ndim for p in probes}) == 1 and probes[0][v.name].ndim >= 2
-                      and all(p[v.name].shape[-1] == b.w_gate.shape[1] for p in probes)]
+                      and all(p[v.name].shape[-1] == b.w.w_gate.shape[1] for p in probes)]
             shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
                                           proven=proven) if shared_int8 else None)
             if shared:

@@ -29,7 +29,8 @@ from ort_ops.ops import moe_layer as ml
 from ort_ops.rewrite.moe import fuse_moe
 from ort_ops.verify import teacher_forced_agreement, verify
 from tests.tolerances import (MOE_CHAIN_VS_FLOAT_REL_L2, MOE_REWRITE_GREEDY_AGREEMENT,
-                              MOE_REWRITE_LOGITS_REL_L2, MOE_REWRITE_STOP_TIE_MARGIN,
+                              MOE_REWRITE_LOGITS_REL_L2, MOE_REWRITE_LOGITS_REL_L2_WITH_FLIP,
+                              MOE_REWRITE_STOP_TIE_MARGIN,
                               MOE_REWRITE_VS_INT8_REFERENCE_REL)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "moe"
@@ -52,13 +53,23 @@ FUSABLE = {
     # one, two shared experts concatenated into one MLP over the [B, S, H] hidden state
     "deepseekv3_dynamo": (8, 24, "stacked"),
     "deepseekv3_legacy": (8, 24, "stacked"),
+    # gpt-oss: TopK of the router logits (router bias) then Softmax of the K values, interleaved
+    # gate/up columns, expert biases on both GEMMs, clamped SwiGLU -> activation "swiglu_oai"
+    "gptoss_dynamo": (8, 32, "stacked: stacked gate_up (x@W, interleaved, gate even) with biases"),
+    "gptoss_legacy": (8, 32, "stacked: stacked gate_up (x@W, interleaved, gate even) with biases"),
 }
+# Fixtures whose probe prompt has a token that flips a later layer's routing at a near-tie
+# (tests/tolerances.py, MOE_REWRITE_LOGITS_REL_L2_WITH_FLIP says which and by how much).
+ROUTING_FLIP = {"gptoss_dynamo", "gptoss_legacy"}
+# The gpt-oss fixtures' clamped SwiGLU (graphs/export_moe_families.py's GPTOSS_LIMIT).
+GPTOSS_ACTIVATION = {"activation": b"swiglu_oai", "alpha": np.float32(1.702), "limit": np.float32(1.25)}
 # fixture -> (MoE blocks, top-k, shared expert, float Sigmoids left) where not (1, 2, no, none):
 # Qwen2's shared-expert gate stays float; DeepSeek-V3's routers stay float and its dense first
 # layer keeps its float SiLU MLP.
 BLOCKS = {"qwen2moe_dynamo_shared": (1, 2, True, 1), "qwen2moe_legacy_shared": (1, 2, True, 1),
           "qwen2moe_dynamo_shared_fp16": (1, 2, True, 1),
-          "deepseekv3_dynamo": (2, 3, True, 3), "deepseekv3_legacy": (2, 3, True, 3)}
+          "deepseekv3_dynamo": (2, 3, True, 3), "deepseekv3_legacy": (2, 3, True, 3),
+          "gptoss_dynamo": (2, 2, False, 0), "gptoss_legacy": (2, 2, False, 0)}
 # Stock ORT CPU cannot run the com.microsoft MoE original; the export script gives every Mixtral
 # fixture the same weights, so the torch-exported one is its fp32 stand-in for greedy decoding.
 FP32_STAND_IN = {"mixtral_tfexport_ortcuda": "mixtral_dynamo_batched"}
@@ -123,6 +134,16 @@ def test_fixture_is_fused(name):
     assert census["Sigmoid"] == sigmoids
     # (the shared MLP's weights; Qwen2's float gate "shared_expert_gate" stays)
     assert not any(w in t.name for t in model.graph.initializer for w in ("shared_expert.", "shared_experts."))
+    gemms = [n for n in model.graph.node if n.op_type.startswith("GroupedMatmul")]
+    if name.startswith("gptoss"):  # both GEMMs take their bias; the activation's constants come from the graph
+        assert all(len(n.input) == 6 and n.input[5] for n in gemms)
+        for n in gemms:
+            if n.op_type == "GroupedMatmulSwigluQuant":
+                assert {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute
+                        if a.name in GPTOSS_ACTIVATION} == GPTOSS_ACTIVATION
+    else:  # no bias input, the default activation
+        assert all(len(n.input) == 5 for n in gemms)
+        assert not any(a.name == "activation" for n in gemms for a in n.attribute)
     if half:  # float16 into MoeInitRouting as it is; float16 out through one Cast
         producer = {o: n for n in model.graph.node for o in n.output}
         init = next(n for n in model.graph.node if n.op_type == "MoeInitRouting")
@@ -140,8 +161,14 @@ def test_fixture_logits_within_int8_budget(name):
     want = ref["logits"][0]
     assert np.all(np.isfinite(got))
     err = ml.relative_l2(got, want)
-    print(f"{name}: logits relative L2 vs the torch model (its dtype) {err:.4f}")
-    assert err <= MOE_REWRITE_LOGITS_REL_L2
+    per_token = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    print(f"{name}: logits relative L2 vs the torch model (its dtype) {err:.4f}, per token median "
+          f"{np.median(per_token):.4f} max {per_token.max():.4f}")
+    if name in ROUTING_FLIP:
+        assert np.median(per_token) <= MOE_REWRITE_LOGITS_REL_L2
+        assert err <= MOE_REWRITE_LOGITS_REL_L2_WITH_FLIP
+    else:
+        assert err <= MOE_REWRITE_LOGITS_REL_L2
 
 
 @pytest.mark.parametrize("name", sorted(FUSABLE))
