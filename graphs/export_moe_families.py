@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: MIT
 """Exports tiny random-weight DeepSeek-V3 and gpt-oss causal LMs under ``tests/fixtures/moe/``.
 
+Each fixture is ``(input_ids, attention_mask) -> logits`` like export_moe_fixtures.py's (no KV
+cache), with ``<name>.npz`` holding a probe ``input_ids`` and the torch model's logits.
+
 The routers and experts of these families differ from Mixtral/Qwen's (see
 ``graphs/export_moe_fixtures.py``, whose exporters, probe and strip this script reuses):
 
@@ -13,8 +16,18 @@ The routers and experts of these families differ from Mixtral/Qwen's (see
       routed_scaling_factor 2.5, and n_shared_experts 2 (transformers concatenates them into one
       MLP of width 2 * moe_intermediate_size). moe_intermediate_size 24 is a size no other weight
       has (MLA's kv_lora_rank is 32), so a test can tell whether any float expert weight is left. Attention is MLA (compressed KV with a decoupled
-      rotary part), which the paged attention rewrite does not fuse. batched_mm experts; torch.onnx
-      dynamo and the legacy TorchScript exporter.
+      rotary part); transformers materializes per-head K = [k_nope | k_rope] and V before the
+      attention, which is what the export holds. batched_mm experts; torch.onnx dynamo and the
+      legacy TorchScript exporter.
+
+  gptoss_dynamo, gptoss_legacy
+      gpt-oss (``GptOssForCausalLM``), two decoder layers (a sliding-window one, then a full one)
+      with attention sinks, each MLP a MoE: router Linear with bias, TopK of the 8 logits, then a
+      Softmax of the 2 selected; experts with interleaved gate/up columns (gate = [..., ::2],
+      up = [..., 1::2]), biases on both projections (random here: the init leaves them zero) and
+      the clamped SwiGLU ``(clamp(up, -limit, limit) + 1) * gate * sigmoid(alpha * gate)``,
+      gate clamped above at limit. alpha 1.702 as gpt-oss; limit 1.25 instead of 7.0, so that the
+      clamps act on a random model's pre-activations. batched_mm experts; dynamo and legacy.
 
 Usage: ``python graphs/export_moe_families.py [--out tests/fixtures/moe] [--only NAME ...]``
 (needs torch 2.13+ and transformers 5.24; CI only reads the committed files).

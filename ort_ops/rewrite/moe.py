@@ -948,13 +948,18 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                         "are fused (the INT8 ops take float32/float16 activations)")
     h = x0.shape[1]
     within = _descendant_nodes([cand.hidden])
-    last_error = "no post-dominator of the router has the block output's shape"
+    # The reason reported is that of the candidate output that got furthest: a region that reads a
+    # non-constant (one reaching past the block, e.g. through the residual Add) says less than an
+    # inner region whose experts' structure or probe failed. Equal stages: the last one's.
+    last_error, last_stage = "no post-dominator of the router has the block output's shape", -1
     for out in cand.outs:
         region = _region(out, within)
         if cand.topk not in region:
             continue
+        stage = 0
         try:
             _check_region(region, {cand.hidden, cand.x})
+            stage = 1
             products = _gated_products(model.graph, region, cand.router_nodes)
             if not products:
                 raise _Declined("no gated expert MLP (SiLU x * Sigmoid(x) * up, or gpt-oss's clamped SwiGLU) "
@@ -973,7 +978,8 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                 raise _Declined(f"the graph computes {len(products)} of {e} experts: a trace specialized to "
                                 "its example input (the experts it hit), wrong for other inputs")
         except _Declined as err:
-            last_error = str(err)
+            if stage >= last_stage:
+                last_error, last_stage = str(err), stage
             continue
         # Step 4: the probe decides which reading (if any) the graph computes.
         shape_ok = False
@@ -998,6 +1004,7 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                     raise _Declined("the block output's shape is neither [T, H] nor the hidden state's")
                 return _Block(cand, out, reading, act, f"{form}: {reading.desc}", reshape)
         if shape_ok:
+            last_stage = 2
             last_error = (f"the block output does not equal a {act.name}-gated MoE of its constant weights "
                           "(with or without biases) under the graph's routing on probe inputs")
     raise _Declined(last_error)
@@ -1334,7 +1341,10 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     else:
         fc1, fc1_b, fc2, fc2_b, fc3, fc3_b = ins[2:8]
     if any(b is not None for b in (fc1_b, fc2_b, fc3_b)):
-        raise _Declined("expert biases are not expressible in the INT8 chain")
+        # The chain takes biases (gpt-oss's, proved by the probe in the torch forms); for these
+        # nodes their layout against ORT's kernels is not verified.
+        raise _Declined("expert biases of a com.microsoft MoE/QMoE node are not handled (their layout "
+                        "against ORT's kernels is not verified)")
     act = a["activation_type"].as_string() if "activation_type" in a else "relu"
     if _attr_int(node, "use_sparse_mixer", 0):
         raise _Declined("use_sparse_mixer routing is not expressible")
@@ -1367,7 +1377,8 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         beta = a["activation_beta"].as_float() if "activation_beta" in a else 0.0
         limit = a["swiglu_limit"].as_float() if "swiglu_limit" in a else float("inf")
         if alpha != 1.0 or beta != 0.0 or np.isfinite(limit):
-            raise _Declined(f"swiglu with alpha {alpha}, beta {beta}, limit {limit} is not SiLU(gate) * up")
+            raise _Declined(f"swiglu with alpha {alpha}, beta {beta}, limit {limit} in a com.microsoft node is not "
+                            "handled (only alpha 1, beta 0, no limit: SiLU(gate) * up)")
         gate, up, desc = w1[:, 0::2], w1[:, 1::2], "swiglu interleaved"
     elif act == "swiglu":
         raise _Declined(f"swiglu_fusion={fusion}{' with fc3' if fc3 is not None else ''}: layout not verified")

@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: MIT
 """MoE fusion (ort_ops/rewrite/moe.py) on real exported fixtures and hand-built blocks.
 
-Fixtures (tests/fixtures/moe, made by graphs/export_moe_fixtures.py): each fusable form is
-fused (one MoE block per model, the INT8 chain present once, no float expert weight left), its
+Fixtures (tests/fixtures/moe, made by graphs/export_moe_fixtures.py and export_moe_families.py): each fusable form is
+fused (every MoE layer, the INT8 chain once per block, no float expert weight left), its
 logits stay within the INT8 budget of the fp32 torch model, and greedy decoding agrees with the
 fp32 model (teacher-forced, same stop decisions); the com.microsoft MoE model that stock ORT CPU refuses runs after the rewrite; the
 legacy trace of the eager experts is refused. Hand-built blocks (graphs/moe.py): optimum's
 unrolled form under each routing the rewrite expresses, matched against the chain of numpy
 references, and the cases it must decline (Gelu, non-constant weights, no softmax, a partial
-trace, expert biases).
+trace, expert biases). The gpt-oss fixture with its graph's swiglu constants changed: the fused ops
+carry the graph's values; an up clamp that is not [-limit, limit] declines.
 """
 
 from __future__ import annotations
@@ -423,3 +424,65 @@ def test_shared_expert_becomes_an_always_on_int8_expert(rng, shared):
     res = fuse_moe(model, RewriteOptions(moe_shared_expert="float"))
     assert res.fused == 1 and "shared_expert" not in res.details["blocks"][0]
     assert collections.Counter(n.op_type for n in ir.to_proto(model).graph.node)["MatMul"] == 3
+
+
+def _set_scalar(model: ir.Model, node: ir.Node, index: int, value: float, name: str) -> None:
+    """Points input ``index`` of ``node`` at a new float32 scalar initializer ``name``."""
+    v = ir.Value(name=name, const_value=ir.tensor(np.array(value, np.float32), name=name))
+    v.shape, v.type = ir.Shape([]), ir.TensorType(ir.DataType.FLOAT)
+    model.graph.register_initializer(v)
+    node.replace_input_with(index, v)
+
+
+def _consumers_of(v: ir.Value) -> list[ir.Node]:
+    return [u.node for u in v.uses()]
+
+
+def _clamps(model: ir.Model) -> list[tuple[ir.Node, ir.Node]]:
+    """Per MoE layer of a gpt-oss fixture: (gate Clip [max only], up Clip [both bounds])."""
+    clips = [n for n in model.graph if n.op_type == "Clip"]
+    gate = [n for n in clips if n.inputs[1] is None]
+    up = [n for n in clips if n.inputs[1] is not None]
+    assert len(gate) == len(up) == 2
+    return list(zip(gate, up))
+
+
+def test_gptoss_alpha_and_limit_come_from_the_graph():
+    """The fixture with other swiglu constants in its graph (alpha 1.5, limit 2.0 in layer 0; alpha
+    2.0, limit 0.75 in layer 1): each fused GroupedMatmulSwigluQuant carries its layer's values, and
+    the fused model follows the changed original (not the torch model it was exported from)."""
+    model = ir.load(str(FIXTURES / "gptoss_dynamo.onnx"))
+    wanted = [(1.5, 2.0), (2.0, 0.75)]
+    for layer, ((gate, up), (alpha, limit)) in enumerate(zip(_clamps(model), wanted)):
+        _set_scalar(model, gate, 2, limit, f"test/limit_{layer}")
+        _set_scalar(model, up, 1, -limit, f"test/neg_limit_{layer}")
+        _set_scalar(model, up, 2, limit, f"test/limit_up_{layer}")
+        scale = next(n for n in _consumers_of(gate.outputs[0]) if n.op_type == "Mul"
+                     and any(ir.convenience.get_const_tensor(i) is not None for i in n.inputs if i is not None))
+        _set_scalar(model, scale, [i is gate.outputs[0] for i in scale.inputs].index(False), alpha,
+                    f"test/alpha_{layer}")
+    original = ir.to_proto(model).SerializeToString()
+    result = fuse_moe(model)
+    assert result.fused == 2, result.declined
+    fused = ir.to_proto(model)
+    gmsq = [n for n in fused.graph.node if n.op_type == "GroupedMatmulSwigluQuant"]
+    got_attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in gmsq]
+    assert [(a["activation"], a["alpha"], a["limit"]) for a in got_attrs] == [
+        (b"swiglu_oai", np.float32(alpha), np.float32(limit)) for alpha, limit in wanted]
+    ids = np.load(FIXTURES / "gptoss_dynamo.npz")["input_ids"]
+    want = _logits(original, ids)
+    got = _logits(fused.SerializeToString(), ids)
+    per_token = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert np.median(per_token) <= MOE_REWRITE_LOGITS_REL_L2
+
+
+def test_gptoss_clamp_other_than_swiglu_oai_is_declined():
+    """An up clamp that is not [-limit, limit] is not swiglu_oai: both blocks decline, naming it."""
+    model = ir.load(str(FIXTURES / "gptoss_dynamo.onnx"))
+    for layer, (_, up) in enumerate(_clamps(model)):
+        _set_scalar(model, up, 1, -3.0, f"test/up_min_{layer}")
+    result = fuse_moe(model)
+    assert result.fused == 0
+    assert len(result.declined) == 2
+    assert all("up clamp [-3.0, 1.25]" in d.reason and "swiglu_oai" in d.reason for d in result.declined), \
+        result.declined
