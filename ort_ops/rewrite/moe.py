@@ -95,6 +95,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT
+from ort_ops.rewrite._graph import attr_int
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -317,12 +318,8 @@ def _post_dominators(graph: ir.Graph, node: ir.Node, limit: int = 12) -> list[ir
     return found
 
 
-def _attr_int(n: ir.Node, name: str, default: int) -> int:
-    return n.attributes[name].as_int() if name in n.attributes else default
-
-
 def _is_last_axis(n: ir.Node, rank_hint: int = 2) -> bool:
-    axis = _attr_int(n, "axis", -1)
+    axis = attr_int(n, "axis", -1)
     return axis in (-1, rank_hint - 1)
 
 
@@ -338,7 +335,7 @@ def _through_casts(node: ir.Node | None) -> ir.Node | None:
     ``softmax(logits, dtype=float)`` and mixed-precision routers put between the router GEMM,
     its Softmax and the TopK (they change the scores' precision, never the experts chosen)."""
     while node is not None and node.domain in ("", "ai.onnx") and (
-            node.op_type == "Identity" or node.op_type == "Cast" and _attr_int(node, "to", 0) in _FLOAT_TYPES):
+            node.op_type == "Identity" or node.op_type == "Cast" and attr_int(node, "to", 0) in _FLOAT_TYPES):
         node = node.inputs[0].producer()
     return node
 
@@ -355,12 +352,12 @@ def _router_projection(src: ir.Node | None) -> tuple[ir.Value, np.ndarray]:
         if src is None:
             raise _Declined("the router is not a linear projection")
     if src.op_type == "Gemm":
-        if _attr_int(src, "transA", 0):
+        if attr_int(src, "transA", 0):
             raise _Declined("router Gemm with transA is not expressible")
         w = _const(src.inputs[1])
         if w is None:
             raise _Declined(f"router weight '{src.inputs[1].name}' is not a constant initializer")
-        if _attr_int(src, "transB", 0):
+        if attr_int(src, "transB", 0):
             w = w.T
         x = src.inputs[0]
     elif src.op_type == "MatMul":
@@ -432,13 +429,13 @@ def _follow_weights(values: ir.Value, routing: str) -> tuple[ir.Value, str]:
     for _ in range(8):
         nxt = None
         for n in _consumers(v):
-            if n.op_type == "ReduceSum" and n.inputs[0] is v and _attr_int(n, "keepdims", 1):
+            if n.op_type == "ReduceSum" and n.inputs[0] is v and attr_int(n, "keepdims", 1):
                 d = _renormalized(v, n)
                 if d is not None:
                     nxt, step = d, "renormalize"
             elif n.op_type == "Softmax" and _is_last_axis(n):
                 nxt, step = n.outputs[0], "softmax over the k"
-            elif n.op_type == "Cast" and _attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            elif n.op_type == "Cast" and attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
                 nxt, step = n.outputs[0], None
             elif n.op_type in ("Mul", "Div") and n.inputs[0] is v:
                 c = _const(n.inputs[1])
@@ -604,7 +601,7 @@ def _trace_weight(v: ir.Value, want_input_dim: int) -> tuple[np.ndarray, int | N
             continue
         if n.op_type == "Split" and split_idx is None:
             split_idx, parts = list(n.outputs).index(v), len(n.outputs)
-            if _attr_int(n, "axis", 0) not in (-1, 1):
+            if attr_int(n, "axis", 0) not in (-1, 1):
                 return None
             v = n.inputs[0]
             n = v.producer()
@@ -615,11 +612,11 @@ def _trace_weight(v: ir.Value, want_input_dim: int) -> tuple[np.ndarray, int | N
         if w is None:
             return None
         w = w.reshape(w.shape[-2:]) if w.ndim == 3 and w.shape[0] == 1 else w
-    elif n.op_type == "Gemm" and not _attr_int(n, "transA", 0):
+    elif n.op_type == "Gemm" and not attr_int(n, "transA", 0):
         w = _fold(n.inputs[1])
         if w is None or len(n.inputs) > 2 and n.inputs[2] is not None:
             return None
-        w = w.T if _attr_int(n, "transB", 0) else w
+        w = w.T if attr_int(n, "transB", 0) else w
     else:
         return None
     if w.ndim != 2 or w.shape[0] != want_input_dim:
@@ -871,7 +868,7 @@ def _hidden_state(x: ir.Value) -> ir.Value:
             break
         if p.op_type in ("Reshape", "Flatten"):
             return p.inputs[0]
-        if not (p.op_type == "Identity" or p.op_type == "Cast" and _attr_int(p, "to", 0) in _FLOAT_TYPES):
+        if not (p.op_type == "Identity" or p.op_type == "Cast" and attr_int(p, "to", 0) in _FLOAT_TYPES):
             break
         v = p.inputs[0]
     return x
@@ -922,7 +919,7 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
         if k is None or k.size != 1:
             declined.append(Decline(n.name, "top-k count is not a constant"))
             continue
-        if _attr_int(n, "largest", 1) != 1 or not _is_last_axis(n):
+        if attr_int(n, "largest", 1) != 1 or not _is_last_axis(n):
             declined.append(Decline(n.name, "TopK is not the k largest over the expert axis"))
             continue
         if router_nodes:  # the weights are the gathered sigmoid scores, as the graph goes on to use them
@@ -1168,9 +1165,9 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
         return None
     if n.op_type == "MatMul":
         w = _const(n.inputs[1])
-    elif n.op_type == "Gemm" and not _attr_int(n, "transA", 0) and (len(n.inputs) < 3 or n.inputs[2] is None):
+    elif n.op_type == "Gemm" and not attr_int(n, "transA", 0) and (len(n.inputs) < 3 or n.inputs[2] is None):
         w = _const(n.inputs[1])
-        if w is not None and _attr_int(n, "transB", 0):
+        if w is not None and attr_int(n, "transB", 0):
             w = w.T
         if n.attributes.get("alpha") is not None and n.attributes["alpha"].as_float() != 1.0:
             return None
@@ -1208,7 +1205,7 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
         nxt = []
         for v in frontier:
             for n in _consumers(v):
-                if n.op_type == "Cast" and _attr_int(n, "to", 0) in _FLOAT_TYPES or n.op_type == "Reshape":
+                if n.op_type == "Cast" and attr_int(n, "to", 0) in _FLOAT_TYPES or n.op_type == "Reshape":
                     nxt.append(n.outputs[0])
                 else:
                     adds.append((n, v))
@@ -1346,17 +1343,17 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         raise _Declined("expert biases of a com.microsoft MoE/QMoE node are not handled (their layout "
                         "against ORT's kernels is not verified)")
     act = a["activation_type"].as_string() if "activation_type" in a else "relu"
-    if _attr_int(node, "use_sparse_mixer", 0):
+    if attr_int(node, "use_sparse_mixer", 0):
         raise _Declined("use_sparse_mixer routing is not expressible")
-    if qmoe and not _attr_int(node, "normalize_routing_weights", 0):
+    if qmoe and not attr_int(node, "normalize_routing_weights", 0):
         # The contrib spec says the top-k weights are then left unnormalized, but ORT 1.31's CPU
         # QMoE renormalizes them anyway (its MoE does not): which one the model means is unknown.
         raise _Declined("QMoE with normalize_routing_weights=0 is ambiguous (ORT's CPU QMoE "
                         "renormalizes regardless)")
-    if qmoe and _attr_int(node, "block_size", 0) > 0:
+    if qmoe and attr_int(node, "block_size", 0) > 0:
         raise _Declined("block-wise QMoE scales are not handled")
-    fusion = _attr_int(node, "swiglu_fusion", 0)
-    bits = _attr_int(node, "expert_weight_bits", 4)
+    fusion = attr_int(node, "swiglu_fusion", 0)
+    bits = attr_int(node, "expert_weight_bits", 4)
 
     def weights(v, s):
         if v is None:
@@ -1400,7 +1397,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
     gate, up, down, wdesc = _contrib_weights(node)
     e, inter, h = gate.shape
     bytes_before = sum(int(_const(v).nbytes) for v in list(node.inputs)[2:] if v is not None)
-    k = _attr_int(node, "k", 1)
+    k = attr_int(node, "k", 1)
     graph = model.graph
     prefix = f"moe_int8/{where}"
     pre: list[ir.Node] = []
@@ -1419,7 +1416,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
     vals, ids = add("TopK", [probs, _initializer(graph, f"{prefix}/k", np.array([k], np.int64))], 2,
                     axis=-1, largest=1, sorted=1)
     wts = vals
-    if _attr_int(node, "normalize_routing_weights", 0):
+    if attr_int(node, "normalize_routing_weights", 0):
         s = add("ReduceSum", [vals, _initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
         wts = add("Div", [vals, s])[0]
     nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, gate.transpose(0, 2, 1),
@@ -1434,7 +1431,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
     graph.insert_after(node, nodes)
     _replace_value(node.outputs[0], out)
     return {"where": where, "form": f"com.microsoft {node.op_type} ({wdesc})", "experts": e, "top_k": k,
-            "intermediate": inter, "routing": "softmax -> topk" + (" -> renormalize" if _attr_int(
+            "intermediate": inter, "routing": "softmax -> topk" + (" -> renormalize" if attr_int(
                 node, "normalize_routing_weights", 0) else ""),
             "weight_bytes_before": bytes_before, "weight_bytes_after": nbytes}
 
