@@ -937,6 +937,23 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
     return cands, declined
 
 
+# Each reading is first compared on this many tokens of the first probe: a wrong reading (of the
+# dozens the bias and column-order choices make) is off by O(1) on any token, so most are
+# rejected at this cost instead of a float64 MoE over every probe token.
+PROBE_SCREEN_TOKENS = 4
+
+
+def _screen(pr: dict, out: ir.Value, cand: _Candidate, reading: _Reading, act: _Activation) -> bool:
+    """False when ``reading`` already fails on the first PROBE_SCREEN_TOKENS tokens of probe ``pr``
+    (True when that cannot be told here: the full comparison decides)."""
+    got, x = pr.get(out.name), pr[cand.x.name]
+    if got is None or got.size != x.size:
+        return True
+    t = PROBE_SCREEN_TOKENS
+    want = moe_float(x[:t], pr[cand.ids.name][:t], pr[cand.weights.name][:t], reading, act)
+    return _matches(got.reshape(x.shape)[:t], want, x.dtype)
+
+
 def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
     e = cand.num_experts
     x0 = probes[0][cand.x.name]
@@ -981,6 +998,8 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
         # Step 4: the probe decides which reading (if any) the graph computes.
         shape_ok = False
         for reading in interps:
+            if not _screen(probes[0], out, cand, reading, act):
+                continue
             ok = True
             for pr in probes:
                 got = pr.get(out.name)
