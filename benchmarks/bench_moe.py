@@ -10,6 +10,10 @@ interface) and runs on ORT's CPU EP with the same intra-op thread count:
               GroupedMatmulDequant, MoeFinalizeRouting (ort_ops.ops.moe_layer.build_moe_int8_model)
   ours_en16k4 the same model with both GEMMs' weights (gate/up and down) stored weight_layout
               "EN16K4" (AMX B tiles, packed offline as the rewrite's --moe-weight-layout EN16K4 does)
+  ours_oai    "ours" as a gpt-oss layer: both GEMMs with their bias input (gate_up [E, 2I], down
+              [E, H], N(0, 0.1)) and GroupedMatmulSwigluQuant's activation "swiglu_oai" (alpha 1.702,
+              limit 7), same weights; its error is against the float64 layer with the same biases
+              and activation (the side-by-side cost of the bias adds and the clamped SwiGLU)
   moe_fp32    com.microsoft.MoE, float32 weights (interleaved SwiGLU, alpha 1, beta 0, no limit)
   qmoe8_ch    com.microsoft.QMoE, 8-bit weights, per-output-channel scales (float activations)
   qmoe8_b128  com.microsoft.QMoE, 8-bit weights, block-128 scales
@@ -50,7 +54,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN = 2048
 INTER = 1408
-PATHS = ["ours", "ours_en16k4", "moe_fp32", "qmoe8_ch", "qmoe8_b128", "onnx_fp32"]
+PATHS = ["ours", "ours_en16k4", "ours_oai", "moe_fp32", "qmoe8_ch", "qmoe8_b128", "onnx_fp32"]
+OURS = ("ours", "ours_en16k4", "ours_oai")  # the stock paths are the others
+
+
+def with_oai_biases(w, q, rng):
+    """(w, q) with gpt-oss-style biases added (the same arrays otherwise): gate_up [E, 2I] and
+    down [E, H], N(0, 0.1)."""
+    import dataclasses
+
+    e, h, n2 = w.w_gate_up.shape
+    bgu = (0.1 * rng.standard_normal((e, n2))).astype(np.float32)
+    bd = (0.1 * rng.standard_normal((e, h))).astype(np.float32)
+    return (dataclasses.replace(w, gate_up_bias=bgu, down_bias=bd),
+            dataclasses.replace(q, gate_up_bias=bgu, down_bias=bd))
 
 
 def _model(nodes, inits, h, e, opsets):
@@ -147,12 +164,14 @@ def plain_onnx_model(w, k):
     return _model(nodes, inits, h, e, [("", 20)])
 
 
-def build(name, w, q, k):
-    """(model, uses our custom ops) for one path of the table."""
+def build(name, w, q, k, q_oai=None):
+    """(model, uses our custom ops) for one path of the table (q_oai: q with biases, ours_oai)."""
     from ort_ops.ops import moe_layer as ml
 
     if name == "ours":
         return ml.build_moe_int8_model(q, k), True
+    if name == "ours_oai":
+        return ml.build_moe_int8_model(q_oai, k, activation="swiglu_oai"), True
     if name == "ours_en16k4":
         from onnx import helper, numpy_helper
 
@@ -318,22 +337,25 @@ def main(argv=None):
             rng = np.random.default_rng(0)
             w = ml.random_moe_weights(rng, HIDDEN, INTER, e)
             q = ml.quantize_moe_weights(w)
+            w_oai, q_oai = with_oai_biases(w, q, np.random.default_rng(1))
             xs = {t: rng.standard_normal((t, HIDDEN)).astype(np.float32) for t in tokens}
             feeds = {t: {"x": x, "router_logits": (x @ w.router).astype(np.float32)} for t, x in xs.items()}
             touched = {t: expert_bytes(q, ml.route(xs[t], w.router, k)[0]) for t in tokens}
             ceiling = read_ceiling(sum(a.nbytes for a in (q.gate_up, q.down)), args.threads)
             check_t = min(tokens, key=lambda t: abs(t - 16))
             want = ml.moe_layer_float(xs[check_t], w, k)
+            want_oai = ml.moe_layer_float(xs[check_t], w_oai, k, activation="swiglu_oai")
             res = {}
             sessions, errs = {}, {}
             for name in PATHS:
                 if name in skip:
                     continue
                 try:
-                    model, custom = build(name, w, q, k)
+                    model, custom = build(name, w, q, k, q_oai)
                     sess = session(model, args.threads, tmpdir, custom, spin=args.spin == "on")
                     del model
-                    errs[name] = ml.relative_l2(sess.run(None, feeds[check_t])[0], want)
+                    errs[name] = ml.relative_l2(sess.run(None, feeds[check_t])[0],
+                                                want_oai if name == "ours_oai" else want)
                     sessions[name] = sess
                 except Exception as ex:  # noqa: BLE001 - a path this ORT build does not run: report, go on
                     print(f"  {name} E{e} top-{k}: not run ({str(ex).splitlines()[0][:160]})")
@@ -345,7 +367,7 @@ def main(argv=None):
             gc.collect()
             print(f"\nE={e} top-{k}; streaming read with {args.threads} threads: {ceiling:.1f} GB/s")
             print(f"{'tokens':>6} " + " ".join(f"{n:>19}" for n in PATHS if n not in skip)
-                  + "   best stock / ours  / ours_en16k4      MB  GB/s floor ms  best / floor")
+                  + "   best stock / ours  / ours_en16k4  oai / ours      MB  GB/s floor ms  best / floor")
             for t in tokens:
                 line = f"{t:>6} "
                 for n in PATHS:
@@ -354,15 +376,17 @@ def main(argv=None):
                     r = res.get((n, t))
                     line += f"{r[0]:8.2f}/{r[1]:6.2f} {r[2]*100:3.1f}%" if r else f"{'-':>19}"
                     line += " "
-                stock = [res[(n, t)][0] for n in PATHS[2:] if (n, t) in res]
+                stock = [res[(n, t)][0] for n in PATHS if n not in OURS and (n, t) in res]
                 ratio = min(stock) / res[("ours", t)][0] if stock and ("ours", t) in res else float("nan")
                 ratio4 = (min(stock) / res[("ours_en16k4", t)][0] if stock and ("ours_en16k4", t) in res
                           else float("nan"))
+                oai = (res[("ours_oai", t)][0] / res[("ours", t)][0] if ("ours_oai", t) in res and ("ours", t) in res
+                       else float("nan"))
                 mb = touched[t] / 1e6
                 floor = mb / ceiling  # ms
                 gbs = mb / res[("ours", t)][0] if ("ours", t) in res else float("nan")
                 best_floor = min(stock) / floor if stock else float("nan")
-                print(line + f"  {ratio:6.2f}x  {ratio4:6.2f}x  {mb:12.1f} {gbs:5.1f} {floor:8.2f} {best_floor:10.2f}x")
+                print(line + f"  {ratio:6.2f}x  {ratio4:6.2f}x  {oai:9.2f}x  {mb:12.1f} {gbs:5.1f} {floor:8.2f} {best_floor:10.2f}x")
                 for n in PATHS:
                     if (n, t) in res:
                         med, p90, err = res[(n, t)]
@@ -370,9 +394,10 @@ def main(argv=None):
                                          "p90_ms": round(p90, 3), "rel_l2": round(err, 5),
                                          "best_stock_over_ours": (round(ratio, 3) if n == "ours" else
                                                                   round(ratio4, 3) if n == "ours_en16k4" else ""),
+                                         "oai_over_ours": round(oai, 3) if n == "ours_oai" else "",
                                          "weights_mb": round(mb, 1), "read_gbps": round(ceiling, 2),
                                          "floor_ms": round(floor, 3)})
-            del w, q
+            del w, q, w_oai, q_oai
             gc.collect()
     if args.csv:
         with open(args.csv, "w", newline="") as f:

@@ -16,6 +16,11 @@ behind a GPU hold so that the events bracket GPU work only (benchmarks/gpu_timin
             kernel (cuda_wgmma.cuh), bm16/bm16w/bm32/bm64 the mma.sync kernel reading B with
             ldmatrix, stream the K-major decode stream (cuda_stream.cu), auto picks by rows per
             expert (what a graph packing layout 2 gets); a config a shape refuses is skipped
+  +bias oai each "ours" row again with the bias input (float32 [E, N]) and activation "swiglu_oai"
+            (gpt-oss: alpha 1.702, limit 7), same weights and rows, timed in the same interleaved
+            set (--variants '' leaves them out)
+  gmd       GroupedMatmulDequant (the down projection: x [M, I] int8, weight [E, I, H]) with
+            config auto, without and with its bias [E, H] (--no-gmd leaves them out)
   floor     the same launch (auto) with every group empty (tiled: memset + launch + tile map +
             tail fill; stream: its two kernels). Timed this way it reads ~23-25 us on the H200
             while a CUPTI timeline of the same graph shows ~9 us of memset and kernel: not a
@@ -55,22 +60,28 @@ def routing(rng, t, e, k):
     return np.bincount(ids.ravel(), minlength=e).astype(np.int64)
 
 
-def check(torch, runner, x, w, ws, xs, counts):
-    """Fraction of our codes equal to the reference's, and whether the scales match exactly."""
+def check(torch, runner, x, w, ws, xs, counts, bias=None, act=None):
+    """Fraction of our codes equal to the reference's, and whether the scales match exactly
+    (bias [E, N] numpy or None, act: the activation attributes). GroupedMatmulDequant runners:
+    the fraction of y bit-equal, and True."""
     from ort_ops import reference
 
+    act = act or {}
     gl = np.cumsum(counts)
     runner.poison()
     runner.launch()
     err = runner.error_word()
     y = runner.y.cpu().numpy()
-    ys = runner.y_scale.cpu().numpy()
     m = x.shape[0]
-    if m <= 2048:
-        rows, ry, rys = m, *reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl)[:2]
-    else:
-        rows = int(gl[1])
-        ry, rys = reference.grouped_matmul_swiglu_quant(x[:rows], w[:2], ws[:2], xs[:rows], gl[:2])[:2]
+    rows = m if m <= 2048 else int(gl[1])
+    e_used = len(counts) if m <= 2048 else 2
+    b = None if bias is None else bias[:e_used]
+    if runner.dequant:
+        ry = reference.grouped_matmul_dequant(x[:rows], w[:e_used], ws[:e_used], xs[:rows], gl[:e_used], b)
+        return err, float(np.mean(y[:rows] == ry)), True
+    ys = runner.y_scale.cpu().numpy()
+    ry, rys = reference.grouped_matmul_swiglu_quant(x[:rows], w[:e_used], ws[:e_used], xs[:rows], gl[:e_used], b,
+                                                    **act)[:2]
     return err, float(np.mean(y[:rows] == ry)), bool(np.array_equal(ys[:rows], rys))
 
 
@@ -86,6 +97,9 @@ def main(argv=None):
                     help="weight layout 2 ([E, N, K], sm_90 only) configs to time (bm128: the wgmma "
                          "kernel; auto: by rows per expert); '' for none")
     ap.add_argument("--no-packed", action="store_true", help="skip the packed-B (layout 1) row")
+    ap.add_argument("--variants", default="bias_oai",
+                    help="'bias_oai': every ours row again with bias + swiglu_oai; '' for none")
+    ap.add_argument("--no-gmd", action="store_true", help="skip the GroupedMatmulDequant rows (plain, +bias)")
     ap.add_argument("--no-floor", action="store_true", help="skip the empty-launch (floor) row")
     ap.add_argument("--no-peers", action="store_true", help="skip the torch bf16 and fp8 peers")
     ap.add_argument("--iters", type=int, default=50)
@@ -106,6 +120,7 @@ def main(argv=None):
         return 2
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
+    vrng = np.random.default_rng(1)  # the variants' own data, so the plain rows keep their inputs
     flush = flush_buffer(torch)
     warm_up(torch)
     k_dim, inter = args.hidden, args.inter
@@ -121,6 +136,16 @@ def main(argv=None):
         wg_configs = [c for c in args.wg_configs.split(",") if c] if torch.cuda.get_device_capability()[0] == 9 else []
         w_km = pack_weight_kmajor(w_d) if wg_configs else None  # weight_layout 2 ([E, N, K])
         ws_d = torch.from_numpy(ws).to(dev)
+        # gpt-oss variant: a bias of the size of C's spread (|C| ~ 1..20 here).
+        bias = vrng.uniform(-2.0, 2.0, (e, n_dim)).astype(np.float32)
+        bias_d = torch.from_numpy(bias).to(dev)
+        oai = {"activation": "swiglu_oai", "alpha": 1.702, "limit": 7.0}
+        variants = [v for v in args.variants.split(",") if v]
+        if not args.no_gmd:  # the down projection: [E, I, H] weights, its own per-column scales and bias
+            w2 = vrng.integers(-127, 128, (e, inter, k_dim), dtype=np.int8)
+            ws2 = (vrng.uniform(0.2, 1.0, (e, k_dim)) / 127).astype(np.float32)
+            bias2 = vrng.uniform(-2.0, 2.0, (e, k_dim)).astype(np.float32)
+            w2_d, ws2_d, bias2_d = (torch.from_numpy(a).to(dev) for a in (w2, ws2, bias2))
         # bf16 / fp8 peers: the same weights dequantized; fp8 wants B column-major ([E, N, K]^T).
         w_bf16 = (w_d.float() * ws_d[:, None, :]).to(torch.bfloat16)
         try:
@@ -147,18 +172,34 @@ def main(argv=None):
             # (config, weight, weight_layout, name in the log, result row)
             runs = ([(cfg, w_d, 0, cfg, f"ours[{cfg}]") for cfg in configs]
                     + [(cfg, w_km, 2, f"layout 2 {cfg}", f"ours layout2[{cfg}] [E,N,K]") for cfg in wg_configs])
-            for cfg, weight, layout, what, row in runs:
-                runner = GmsqRunner(x_d, weight, ws_d, xs_d, gl_d, config=cfg, layout=layout)
+            # The bias_oai variant of each run right after it, so the pair sits side by side.
+            runs = [r for run in runs for r in [run] + [
+                (run[0], run[1], run[2], run[3] + " +bias oai", run[4] + " +bias oai", "bias_oai") for _ in variants]]
+            for cfg, weight, layout, what, row, *variant in runs:
+                extra = {"bias": bias_d, **oai} if variant else {}
+                runner = GmsqRunner(x_d, weight, ws_d, xs_d, gl_d, config=cfg, layout=layout, **extra)
                 try:
                     runner.launch()
                 except RuntimeError as ex:  # e.g. stream past its M * N bound: say so, go on
                     print(f"{label}: {what} not run: {ex}", flush=True)
                     continue
                 if not args.no_check:
-                    err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts)
+                    err, eq, scales_eq = check(torch, runner, x, w, ws, xs, counts,
+                                               bias if variant else None, oai if variant else None)
                     print(f"{label}: check vs reference ({what}): err word {err}, codes equal {eq:.6f}, "
                           f"scales bit-equal {scales_eq}", flush=True)
                 replays[row] = capture(torch, runner.launch)
+            if not args.no_gmd:
+                h = vrng.integers(-127, 128, (m, inter), dtype=np.int8)
+                hs = (vrng.uniform(0.2, 1.0, m) * 3 * 20 / (127 * np.sqrt(inter))).astype(np.float32)
+                h_d, hs_d = torch.from_numpy(h).to(dev), torch.from_numpy(hs).to(dev)
+                for name, b_np, b_d in (("gmd[auto]", None, None), ("gmd[auto] +bias", bias2, bias2_d)):
+                    runner = GmsqRunner(h_d, w2_d, ws2_d, hs_d, gl_d, dequant=True, bias=b_d)
+                    if not args.no_check:
+                        err, eq, _ = check(torch, runner, h, w2, ws2, hs, counts, b_np)
+                        print(f"{label}: check vs reference ({name}): err word {err}, y bit-equal {eq:.6f}",
+                              flush=True)
+                    replays[name] = capture(torch, runner.launch)
             if not args.no_packed:
                 packed = GmsqRunner(x_d, w_packed, ws_d, xs_d, gl_d, n=n_dim)
                 replays["ours[auto] packed B"] = capture(torch, packed.launch)
@@ -200,12 +241,16 @@ def main(argv=None):
                        time_interleaved(torch, replays, args.iters, flush, args.flush).items()}
             base = results.get("bf16 grouped_mm+swiglu+quant", (float("nan"),))[0]
             for name, (med, p90) in results.items():
+                ops_r, bytes_r = ops, bytes_min
+                if name.startswith("gmd"):  # the down projection's own work: [M, I] x [I, H], float32 out
+                    ops_r = 2.0 * m * inter * k_dim
+                    bytes_r = active * inter * k_dim + m * inter + 4 * m * k_dim
                 row = {"case": label, "E": e, "topk": topk, "tokens": t, "M": m, "active_experts": active,
                        "impl": name, "median_us": round(med, 2), "p90_us": round(p90, 2),
-                       "speedup_vs_bf16": round(base / med, 2), "tops": round(ops / med / 1e6, 1),
-                       "pct_int8_peak": round(100 * ops / med / 1e6 / INT8_PEAK_TOPS, 1),
-                       "tbps": round(bytes_min / med / 1e6, 2),
-                       "pct_copy": round(100 * bytes_min / med / 1e6 / COPY_TBPS, 1)}
+                       "speedup_vs_bf16": round(base / med, 2), "tops": round(ops_r / med / 1e6, 1),
+                       "pct_int8_peak": round(100 * ops_r / med / 1e6 / INT8_PEAK_TOPS, 1),
+                       "tbps": round(bytes_r / med / 1e6, 2),
+                       "pct_copy": round(100 * bytes_r / med / 1e6 / COPY_TBPS, 1)}
                 rows_out.append(row)
             torch.cuda.empty_cache()
 

@@ -7,9 +7,10 @@ kernels can be checked against ``ort_ops.reference`` and timed against torch pee
 
 GroupedMatmulSwigluQuant (csrc/ops/grouped_matmul_swiglu_quant/cuda.cuh):
     x int8 [M, K], weight int8 [E, K, N], weight_scale float32 [E, N], x_scale float32 [M],
-    group_list int64 [E] -> y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M];
+    group_list int64 [E], optional bias float32 [E, N], activation "swiglu" / "swiglu_oai" (alpha,
+    limit) -> y int8 [M, N/2], y_scale float32 [M], y_offset float32 [M];
     plus the device error word (bit 1: invalid group_list, bit 2: non-finite C or S).
-GroupedMatmulDequant (same kernel, dequantizing mode): same inputs -> y float32 [M, N].
+GroupedMatmulDequant (same kernel, dequantizing mode): same inputs (bias too) -> y float32 [M, N].
 DynamicQuant (csrc/ops/dynamic_quant/cuda.cuh): x float32/float16 [rows, K], smooth float32 [K]
     or None -> y int8 [rows, K], scale float32 [rows], error word (bit 1: non-finite value).
 MoeInitRouting / MoeFinalizeRouting (csrc/ops/moe_*_routing/cuda.cuh): as their references.
@@ -29,6 +30,7 @@ INIT_ERR_BAD_EXPERT = 1  # MoeInitRouting's
 FINALIZE_ERR_NOT_PERMUTATION = 1  # MoeFinalizeRouting's
 # Tile configurations of the GroupedMatmulSwigluQuant kernel (GmsqConfig in cuda.cuh).
 GMSQ_CONFIGS = {"auto": -1, "bm16": 0, "bm64": 1, "bm128": 2, "bm16w": 3, "bm32": 4, "stream": 5}
+GMSQ_ACTIVATIONS = {"swiglu": 0, "swiglu_oai": 1}  # GmsqParams::activation
 STREAM_MAX_SUMS = 1 << 24    # the stream config's limits (cuda_stream.cu kMaxSums, kMaxHalf)
 STREAM_MAX_HALF = 24576
 
@@ -54,13 +56,14 @@ def _gmsq_fns():
     lib = _cdll(get_library_path())
     fn = lib.ort_ops_gmsq_cuda
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    fn.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int]
+                   + [ctypes.c_float] * 2 + [ctypes.c_void_p])
     ws = lib.ort_ops_gmsq_cuda_workspace_bytes
     ws.restype = ctypes.c_size_t
     ws.argtypes = [ctypes.c_int64] * 3
     gmd = lib.ort_ops_gmd_cuda
     gmd.restype = ctypes.c_int
-    gmd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    gmd.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2
     return fn, ws, gmd
 
 
@@ -78,16 +81,23 @@ class GmsqRunner:
         layout: the weight layout passed to the launcher; None: 1 when ``n`` is given, else 0.
             2 is ``pack_weight_kmajor(w)``, [E, N, K] (swiglu only): config bm128 is the Hopper
             wgmma kernel, the others the mma.sync kernel's K-major path; auto picks by M / E.
+        bias: torch CUDA float32 [E, N] or None.
+        activation, alpha, limit: GroupedMatmulSwigluQuant's attributes (a key of
+            GMSQ_ACTIVATIONS; alpha and limit are read by "swiglu_oai" only).
     """
 
     def __init__(self, x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
                  config: str = "auto", dequant: bool = False, n: int | None = None,
-                 layout: int | None = None):
+                 layout: int | None = None, bias=None, activation: str = "swiglu", alpha: float = 1.702,
+                 limit: float = 7.0):
         import torch
 
         self.fn, ws_bytes, self.gmd_fn = _gmsq_fns()
         self.dequant = dequant
         self.inputs = [t.contiguous() for t in (x, weight, weight_scale, x_scale, group_list)]
+        self.bias = bias.contiguous() if bias is not None else None
+        self.activation = GMSQ_ACTIVATIONS[activation]
+        self.alpha, self.limit = float(alpha), float(limit)
         m, k = x.shape
         self.layout = layout if layout is not None else int(n is not None)
         if self.layout == 2:
@@ -118,16 +128,18 @@ class GmsqRunner:
         s = stream if stream is not None else torch.cuda.current_stream()
         x, w, wsc, xs, gl = self.inputs
         m, k, n, e = self.shape
+        bias = ctypes.c_void_p(self.bias.data_ptr() if self.bias is not None else None)
         if self.dequant:
             rc = self.gmd_fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(),
                              gl.data_ptr(), self.y.data_ptr(), self.workspace.data_ptr(), m, k, n,
-                             e, self.group_list_type, self.config, self.layout,
+                             e, self.group_list_type, self.config, self.layout, bias,
                              ctypes.c_void_p(s.cuda_stream))
         else:
             rc = self.fn(x.data_ptr(), w.data_ptr(), wsc.data_ptr(), xs.data_ptr(), gl.data_ptr(),
                          self.y.data_ptr(), self.y_scale.data_ptr(), self.y_offset.data_ptr(),
                          self.workspace.data_ptr(), m, k, n, e, self.group_list_type, self.config,
-                         self.layout, ctypes.c_void_p(s.cuda_stream))
+                         self.layout, bias, self.activation, self.alpha, self.limit,
+                         ctypes.c_void_p(s.cuda_stream))
         if rc != 0:
             op = "GroupedMatmulDequant" if self.dequant else "GroupedMatmulSwigluQuant"
             why = ""
@@ -143,9 +155,12 @@ class GmsqRunner:
 
 
 def gmsq(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-         config: str = "auto"):
-    """Runs GroupedMatmulSwigluQuant once on poisoned outputs; returns (y, y_scale, y_offset, err)."""
-    r = GmsqRunner(x, weight, weight_scale, x_scale, group_list, group_list_type, config)
+         config: str = "auto", layout: int | None = None, bias=None, activation: str = "swiglu",
+         alpha: float = 1.702, limit: float = 7.0):
+    """Runs GroupedMatmulSwigluQuant once on poisoned outputs; returns (y, y_scale, y_offset, err).
+    ``layout`` 2 takes ``weight`` as [E, N, K] (``pack_weight_kmajor``)."""
+    r = GmsqRunner(x, weight, weight_scale, x_scale, group_list, group_list_type, config, layout=layout,
+                   bias=bias, activation=activation, alpha=alpha, limit=limit)
     r.poison()
     r.launch()
     err = r.error_word()
@@ -153,10 +168,10 @@ def gmsq(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
 
 
 def gmd(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-        config: str = "auto"):
+        config: str = "auto", bias=None):
     """Runs GroupedMatmulDequant once on a NaN-poisoned output; returns (y float32 [M, N], err)."""
     r = GmsqRunner(x, weight, weight_scale, x_scale, group_list, group_list_type, config,
-                   dequant=True)
+                   dequant=True, bias=bias)
     r.poison()
     r.launch()
     err = r.error_word()

@@ -742,3 +742,165 @@ def test_gmsq_cuda_ep_session_errors(cuda_ep_session, rng, rows):
     bad = dict(good, x_scale=xs.copy())
     bad["x_scale"][3] = np.inf
     _assert_exact(assert_reported_both_ways(sess, bad, good, r"GroupedMatmulSwigluQuant: .*not finite"), want)
+
+
+# ---- the optional bias and the "swiglu_oai" activation (gpt-oss) on every CUDA path ----
+
+OAI = [{}, {"activation": "swiglu_oai"}, {"activation": "swiglu_oai", "alpha": 1.0, "limit": 3.0}]
+OAI_IDS = ["swiglu", "oai", "oai-a1-l3"]
+
+
+def _problem_wide(rng, m, k, n, counts, *, tail=0, bias=True):
+    """_problem with C about 3x larger (|C| up to ~60: far past the clamp limit 7) and a bias in
+    [-8, 8] [E, N] (or None)."""
+    x, w, ws, xs, gl = _problem(rng, m, k, n, counts, tail=tail)
+    xs = (xs * 3).astype(np.float32)
+    b = rng.uniform(-8, 8, (len(counts), n)).astype(np.float32) if bias else None
+    return x, w, ws, xs, gl, b
+
+
+def _to_dev(torch, *arrays):
+    dev = torch.device("cuda")
+    return [None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(dev) for a in arrays]
+
+
+@cuda
+@pytest.mark.parametrize("act", OAI, ids=OAI_IDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("config", ["auto", "bm16", "bm32", "bm64", "bm128", "bm16w", "stream"])
+@pytest.mark.parametrize("case", ["mixed", "tail_rows", "single_row", "deep_k"])
+def test_gmsq_cuda_bias_activation(torch_cuda, rng, case, config, bias, act):
+    """Layout [E, K, N], every mma.sync config and the stream pair: bit for bit with bias and
+    swiglu_oai (C far past the clamp on both sides)."""
+    from ort_ops.testing.moe_launchers import gmsq
+
+    m, k, n, counts, tail = CASES[case]
+    x, w, ws, xs, gl, b = _problem_wide(rng, m, k, n, counts, tail=tail, bias=bias)
+    want = reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl, b, **act)
+    t = _to_dev(torch_cuda, x, w, ws, xs, gl, b)
+    y, ys, yo, err = gmsq(*t[:5], config=config, bias=t[5], **act)
+    assert err == 0
+    _assert_exact((y.cpu().numpy(), ys.cpu().numpy(), yo.cpu().numpy()), want)
+
+
+@cuda
+@pytest.mark.parametrize("act", OAI, ids=OAI_IDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("config", ["auto", "bm16", "bm32", "bm64", "bm128", "bm16w", "stream"])
+@pytest.mark.parametrize("case", ["mixed", "tail_rows", "deep_k"])
+def test_gmsq_cuda_kmajor_bias_activation(torch_cuda, rng, case, config, bias, act):
+    """Layout [E, N, K]: bm128 is the Hopper wgmma kernel (its fast-division epilogue and exact
+    second pass), the others the mma.sync K-major path and the K-major stream."""
+    from ort_ops.testing.moe_launchers import gmsq, pack_weight_kmajor
+
+    m, k, n, counts, tail = CASES[case]
+    x, w, ws, xs, gl, b = _problem_wide(rng, m, k, n, counts, tail=tail, bias=bias)
+    want = reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl, b, **act)
+    t = _to_dev(torch_cuda, x, w, ws, xs, gl, b)
+    y, ys, yo, err = gmsq(t[0], pack_weight_kmajor(t[1]), *t[2:5], config=config, layout=2, bias=t[5], **act)
+    assert err == 0
+    _assert_exact((y.cpu().numpy(), ys.cpu().numpy(), yo.cpu().numpy()), want)
+
+
+@cuda
+@pytest.mark.parametrize("config", ["auto", "bm16", "bm64", "bm128", "bm16w", "stream"])
+@pytest.mark.parametrize("case", ["mixed", "tail_rows", "many_experts", "deep_k"])
+def test_gmd_cuda_bias(torch_cuda, rng, case, config):
+    from ort_ops.testing.moe_launchers import gmd
+
+    m, k, n, counts, tail = CASES[case]
+    if case == "many_experts":
+        m = sum(counts) + tail
+    x, w, ws, xs, gl, b = _problem_wide(rng, m, k, n, counts, tail=tail)
+    t = _to_dev(torch_cuda, x, w, ws, xs, gl, b)
+    y, err = gmd(*t[:5], config=config, bias=t[5])
+    assert err == 0
+    y = y.cpu().numpy()
+    want = reference.grouped_matmul_dequant(x, w, ws, xs, gl, b)
+    assert np.all(np.isfinite(y)), "unwritten (NaN-poisoned) outputs"
+    bad = np.argwhere(y != want)
+    assert bad.size == 0, f"{len(bad)} of {y.size} differ, first at {bad[:5].tolist()}"
+    if tail:
+        assert not y[m - tail:].any(), "rows past the last group end must stay zero (no bias)"
+
+
+@cuda
+@pytest.mark.parametrize("dequant", [False, True])
+@pytest.mark.parametrize("config", ["bm16w", "bm64", "bm128"])
+def test_cuda_packed_weight_layout_bias_oai(torch_cuda, rng, config, dequant):
+    from ort_ops.testing.moe_launchers import GmsqRunner, pack_weight
+
+    m, k, n, counts, tail = CASES["tail_rows"]
+    x, w, ws, xs, gl, b = _problem_wide(rng, m, k, n, counts, tail=tail)
+    t = _to_dev(torch_cuda, x, w, ws, xs, gl, b)
+    r = GmsqRunner(t[0], pack_weight(t[1]), *t[2:5], config=config, dequant=dequant, n=n, bias=t[5],
+                   activation="swiglu_oai")
+    r.poison()
+    r.launch()
+    assert r.error_word() == 0
+    if dequant:
+        np.testing.assert_array_equal(r.y.cpu().numpy(), reference.grouped_matmul_dequant(x, w, ws, xs, gl, b))
+    else:
+        _assert_exact((r.y.cpu().numpy(), r.y_scale.cpu().numpy(), r.y_offset.cpu().numpy()),
+                      reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl, b, activation="swiglu_oai"))
+
+
+@cuda
+@pytest.mark.parametrize("layout", [0, 2])
+@pytest.mark.parametrize("config", ["auto", "bm128", "stream"])
+def test_gmsq_cuda_oai_reports_non_finite_c(torch_cuda, rng, config, layout):
+    """swiglu_oai clamps the gate (min(Inf, limit) is limit): an Inf C must still be reported, as
+    must a NaN bias (the device does not check the bias's values)."""
+    from ort_ops.testing.moe_launchers import ERR_NON_FINITE, gmsq, pack_weight_kmajor
+
+    x, w, ws, xs, gl, b = _problem_wide(rng, 40, 64, 64, [40])
+    for bad in ("x_scale", "bias"):
+        xs2, b2 = xs.copy(), b.copy()
+        if bad == "x_scale":
+            xs2[3] = np.inf
+        else:
+            b2[0, 5] = np.nan
+        t = _to_dev(torch_cuda, x, w, ws, xs2, gl, b2)
+        wt = pack_weight_kmajor(t[1]) if layout == 2 else t[1]
+        *_, err = gmsq(t[0], wt, *t[2:5], config=config, layout=layout, bias=t[5], activation="swiglu_oai")
+        assert err & ERR_NON_FINITE, bad
+
+
+@cuda
+@pytest.mark.parametrize("decode", [False, True])
+def test_gmsq_gmd_cuda_ep_session_bias_oai(cuda_ep_session, rng, decode):
+    """Through onnxruntime's CUDA EP: the bias input and the activation attributes reach the
+    kernels (and both ops ran there)."""
+    from ort_ops.ops import grouped_matmul_dequant as gmd_mod
+
+    m, k, n, counts = ((40, 256, 320, [3, 0, 5, 1, 16, 2, 0, 9]) if decode
+                       else (211, 256, 320, [0, 1, 100, 0, 90]))
+    x, w, ws, xs, gl, b = _problem_wide(rng, m, k, n, counts, tail=4 if decode else 20)
+    feeds = {"x": x, "weight": w, "weight_scale": ws, "x_scale": xs, "group_list": gl, "bias": b}
+    act = {"activation": "swiglu_oai", "alpha": 1.5, "limit": 6.0}
+    sess = cuda_ep_session(feeds, **act)
+    got = sess.run(None, feeds)
+    assert _providers_of(sess, "GroupedMatmulSwigluQuant") == {"CUDAExecutionProvider"}
+    _assert_exact(got, reference.grouped_matmul_swiglu_quant(x, w, ws, xs, gl, b, **act))
+    sess = cuda_ep_session(feeds, schema=gmd_mod.SCHEMA)
+    (y,) = sess.run(None, feeds)
+    assert _providers_of(sess, "GroupedMatmulDequant") == {"CUDAExecutionProvider"}
+    np.testing.assert_array_equal(y, reference.grouped_matmul_dequant(x, w, ws, xs, gl, b))
+
+
+@cuda
+def test_cuda_ep_refuses_bad_bias_and_activation(cuda_ep_session, rng):
+    """Host-known refusals fail the Run (bias dtype / shape) or the session (attributes) with the
+    CPU's messages."""
+    x, w, ws, xs, gl, b = _problem_wide(rng, 20, 64, 64, [20])
+    feeds = {"x": x, "weight": w, "weight_scale": ws, "x_scale": xs, "group_list": gl, "bias": b[:, :-1].copy()}
+    with pytest.raises(Exception, match="GroupedMatmulSwigluQuant: input 'bias' must have shape"):
+        cuda_ep_session(feeds).run(None, feeds)
+    feeds["bias"] = b.astype(np.float16)
+    with pytest.raises(Exception, match="GroupedMatmulSwigluQuant: input 'bias' must be float32, got float16"):
+        cuda_ep_session(feeds).run(None, feeds)
+    feeds["bias"] = b
+    with pytest.raises(Exception, match="attribute 'activation' must be 'swiglu' or 'swiglu_oai', got 'gelu'"):
+        cuda_ep_session(feeds, activation="gelu").run(None, feeds)
+    with pytest.raises(Exception, match="attribute 'limit' must be finite and > 0"):
+        cuda_ep_session(feeds, activation="swiglu_oai", limit=0.0).run(None, feeds)

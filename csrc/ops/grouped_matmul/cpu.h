@@ -18,7 +18,8 @@
 // product is <= 2^14 in size; SIMD paths that wrap modulo 2^32 mid-way still end exact because
 // the true sum fits). float32 epilogue: C = (float(acc) * x_scale[r]) * w_scale[n], then
 // + bias[n] when there is a bias (in natural column order, after packed columns are put back),
-// then the activation (activation.h) by _moe.py's recipe; every variant does the same operations, so results match bit for bit.
+// then the activation (activation.h) by _moe.py's recipe; every variant does the same
+// operations, so results match bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -142,7 +143,8 @@ float swiglu_scalar(float a, float g);
 float swiglu_oai_scalar(float a, float g, float alpha, float limit);
 // S of `act` for one (A, G) pair.
 inline float activation_scalar(const Act& act, float a, float g) {
-  return act.kind == Activation::kSwigluOai ? swiglu_oai_scalar(a, g, act.alpha, act.limit) : swiglu_scalar(a, g);
+  return act.kind == Activation::kSwigluOai ? swiglu_oai_scalar(a, g, act.alpha, act.limit)
+                                            : swiglu_scalar(a, g);
 }
 
 }  // namespace ort_ops::grouped_matmul

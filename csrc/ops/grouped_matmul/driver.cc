@@ -168,7 +168,8 @@ Problem read_problem(const char* op, const Inputs& in, int64_t group_list_type, 
     const float* b = in.bias.ptr<float>();
     for (int64_t i = 0; i < p.e * p.n; ++i)
       if (!std::isfinite(b[i]))
-        fail_invalid(op, "input 'bias' must be finite, got NaN or Inf at expert ", i / p.n, ", column ", i % p.n);
+        fail_invalid(op, "input 'bias' must be finite, got NaN or Inf at expert ", i / p.n,
+                     ", column ", i % p.n);
     p.bias = b;
   }
 
@@ -232,7 +233,8 @@ Problem read_problem_layout(const char* op, Ort::KernelContext& ctx, WeightLayou
 }
 
 void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
-               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done, const Act& act) {
+               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done,
+               const Act& act) {
   if (p.rows_used == 0) return;
   const int64_t cols = mode == Mode::kSwiglu ? p.n / 2 : p.n;
   const int64_t tile_w = mode == Mode::kSwiglu ? kHalfCols : kTileCols;

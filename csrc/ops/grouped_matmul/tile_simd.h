@@ -163,7 +163,8 @@ inline __m256 swiglu_oai8(__m256 a, __m256 g, float alpha, float limit) {
 }
 
 inline __m256 activation8(const Act& act, __m256 a, __m256 g) {
-  return act.kind == Activation::kSwigluOai ? swiglu_oai8(a, g, act.alpha, act.limit) : swiglu8(a, g);
+  return act.kind == Activation::kSwigluOai ? swiglu_oai8(a, g, act.alpha, act.limit)
+                                            : swiglu8(a, g);
 }
 
 // Non-finite lanes (NaN or +-Inf) as a mask.
@@ -181,7 +182,8 @@ inline bool finish_row_n(const TileArgs& a, const float* packed, const int32_t* 
   if (a.bias != nullptr) {  // one float32 add per live column, in natural order
     for (int64_t j = 0; j < a.width; ++j) c[j] = c[j] + a.bias[a.col0 + j];
     if (a.mode == Mode::kSwiglu)
-      for (int64_t j = 0; j < a.width; ++j) c[pitch + j] = c[pitch + j] + a.bias[a.n / 2 + a.col0 + j];
+      for (int64_t j = 0; j < a.width; ++j)
+        c[pitch + j] = c[pitch + j] + a.bias[a.n / 2 + a.col0 + j];
   }
   if (a.mode == Mode::kDequant) {
     std::memcpy(out, c, static_cast<size_t>(a.width) * sizeof(float));

@@ -54,7 +54,9 @@ const OpSignature& swiglu_quant_signature() {
   constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   constexpr auto I8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
   constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  static const OpSignature sig{"GroupedMatmulSwigluQuant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}, {ANY, true}}, {{I8}, {F32}, {F32}}};
+  static const OpSignature sig{"GroupedMatmulSwigluQuant",
+                               {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}, {ANY, /*optional=*/true}},
+                               {{I8}, {F32}, {F32}}};
   return sig;
 }
 
@@ -62,7 +64,9 @@ const OpSignature& swiglu_quant_signature() {
 const OpSignature& dequant_signature() {
   constexpr auto ANY = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   constexpr auto F32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  static const OpSignature sig{"GroupedMatmulDequant", {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}, {ANY, true}}, {{F32}}};
+  static const OpSignature sig{"GroupedMatmulDequant",
+                               {{ANY}, {ANY}, {ANY}, {ANY}, {ANY}, {ANY, /*optional=*/true}},
+                               {{F32}}};
   return sig;
 }
 
@@ -79,12 +83,14 @@ Act read_activation(const char* op, const OrtKernelInfo* info) {
   if (s == "swiglu_oai")
     act.kind = Activation::kSwigluOai;
   else if (s.empty() && has_attr(info, "activation"))
-    fail_invalid(op, "attribute 'activation' must be 'swiglu' or 'swiglu_oai', got a non-string value");
+    fail_invalid(op,
+                 "attribute 'activation' must be 'swiglu' or 'swiglu_oai', got a non-string value");
   else if (!s.empty() && s != "swiglu")
     fail_invalid(op, "attribute 'activation' must be 'swiglu' or 'swiglu_oai', got '", s, "'");
   act.alpha = attr_float(info, "alpha", kOaiAlpha);
   act.limit = attr_float(info, "limit", kOaiLimit);
-  if (!std::isfinite(act.alpha)) fail_invalid(op, "attribute 'alpha' must be finite, got ", act.alpha);
+  if (!std::isfinite(act.alpha))
+    fail_invalid(op, "attribute 'alpha' must be finite, got ", act.alpha);
   if (!(std::isfinite(act.limit) && act.limit > 0.0f))
     fail_invalid(op, "attribute 'limit' must be finite and > 0, got ", act.limit);
   return act;

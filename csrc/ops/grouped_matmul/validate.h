@@ -2,9 +2,9 @@
 // Input checks of GroupedMatmulSwigluQuant and GroupedMatmulDequant, one copy for the CPU ops
 // (driver.cc) and the CUDA-EP ops (grouped_matmul_swiglu_quant/cuda_op_common.h): presence,
 // dtypes and shapes of x int8 [M, K], weight int8 [E, K, N], weight_scale [E, N], x_scale [M],
-// group_list int64 [E], the optional bias float32 [E, N]. What only one device refuses stays in that device's file (DeviceChecks,
-// or after validate_inputs); group_list's values are checked where they live (CPU: host,
-// CUDA: the kernel).
+// group_list int64 [E], the optional bias float32 [E, N]. What only one device refuses stays in
+// that device's file (DeviceChecks, or after validate_inputs); group_list's and the bias's values
+// are checked where they live (CPU: host; CUDA: the kernel, which flags a non-finite product).
 //
 // Alphabet: M rows, K inner dim, N output columns, E experts.
 #pragma once
@@ -43,8 +43,8 @@ int64_t read_group_list_type(const char* op, const OrtKernelInfo* info);
 // 'limit' (finite; limit > 0), else an error naming `op` and the attribute.
 Act read_activation(const char* op, const OrtKernelInfo* info);
 
-// Checks inputs 0..4's presence, dtype, rank and shape and the optional bias's dtype and shape; even_n: N must be even (SwiGLU pairs).
-// Messages name `op`. Returns the dims.
+// Checks inputs 0..4's presence, dtype, rank and shape and the optional bias's dtype and shape;
+// even_n: N must be even (SwiGLU pairs). Messages name `op`. Returns the dims.
 Dims validate_inputs(const char* op, const Inputs& in, bool even_n, const DeviceChecks& device);
 
 // Inputs and outputs of GroupedMatmulSwigluQuant, registered for every execution provider (register.cc).

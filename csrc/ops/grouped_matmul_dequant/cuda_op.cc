@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 // GroupedMatmulDequant on ORT's CUDA EP: the grouped INT8 GEMM kernel of
 // ops/grouped_matmul_swiglu_quant/cuda.cu in its dequantizing mode (host side:
-// cuda_op_common.h there). Inputs as GroupedMatmulSwigluQuant; output y float32 [M, N].
+// cuda_op_common.h there). Inputs as GroupedMatmulSwigluQuant (optional bias float32 [E, N]);
+// output y float32 [M, N].
 // weight_layout: "EKN" only; "EN16K4" (a CPU layout) and "ENK" (the CUDA kernel reads K-major
 // weights in its SwiGLU mode only) fail by name.
 #include "ops/grouped_matmul_dequant/cuda_op.h"

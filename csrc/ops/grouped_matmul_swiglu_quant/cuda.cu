@@ -58,7 +58,8 @@ constexpr int kMaxK = 131071;                 // K * 128 * 128 < 2^31: exact int
 // The contract's exact float32 epilogue math and the tile map: epilogue.cuh, shared with the
 // wgmma kernel (cuda_wgmma.cu).
 using epi::quant_code;
-using epi::swiglu_f32;
+using epi::activation_f32;
+using epi::plus_bias;
 using namespace mma;  // cp.async, ldmatrix, the s8 MMA, B transposes (mma_sync.cuh)
 
 // ---- the kernel -----------------------------------------------------------------------------
@@ -346,8 +347,12 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
       wsg[0] = v2.x; wsg[1] = v2.y; wsg[2] = v2.z; wsg[3] = v2.w;
       wsg[4] = v3.x; wsg[5] = v3.y; wsg[6] = v3.z; wsg[7] = v3.w;
     }
+    // This lane's bias row (col_ok: its 8 columns of each half exist), or nullptr.
+    const float* bias =
+        p.bias != nullptr && col_ok ? p.bias + static_cast<int64_t>(e) * N : nullptr;
     if constexpr (MODE == kDequant) {
-      // y[m, n] = (float32(acc) * x_scale[m]) * w_scale[e, n]; overflow gives Inf (no error).
+      // y[m, n] = ((float32(acc) * x_scale[m]) * w_scale[e, n]) + bias[e, n]; overflow gives Inf
+      // (no error).
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -363,9 +368,10 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
               for (int i = 0; i < 4; ++i)
 #pragma unroll
                 for (int jj = 0; jj < 2; ++jj)
-                  v[4 * jj + i] = __fmul_rn(
-                      __fmul_rn(__int2float_rn(acc[mt][4 * q + i][2 * hh + jj]), xs),
-                      q ? wsg[4 * jj + i] : wsa[4 * jj + i]);
+                  v[4 * jj + i] = plus_bias(
+                      __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][4 * q + i][2 * hh + jj]), xs),
+                                q ? wsg[4 * jj + i] : wsa[4 * jj + i]),
+                      bias, q * half + ocol + 4 * jj + i);
               float* dst = yr + q * half;
               *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
               *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
@@ -392,13 +398,17 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
             // acc[mt][i][j] and acc[mt][4 + i][j] (j = 2 hh + jj) are the gate and up
             // products of physical column 8t + 4jj + i (see the B-operand note above).
             const int c = 4 * jj + i;
-            const float ca =
-                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][i][2 * hh + jj]), xs), wsa[c]);
-            const float cg =
-                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][4 + i][2 * hh + jj]), xs), wsg[c]);
-            if (!isfinite(ca) || !isfinite(cg)) nonfinite = true;
-            const float v = swiglu_f32(ca, cg);
-            if (!isfinite(v)) nonfinite = true;  // s * g overflowed: the reference refuses it
+            const float ca = plus_bias(
+                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][i][2 * hh + jj]), xs), wsa[c]), bias,
+                ocol + c);
+            const float cg = plus_bias(
+                __fmul_rn(__fmul_rn(__int2float_rn(acc[mt][4 + i][2 * hh + jj]), xs), wsg[c]), bias,
+                half + ocol + c);
+            if (r < rows && (!isfinite(ca) || !isfinite(cg))) nonfinite = true;
+            const float v = activation_f32(p, ca, cg);
+            // s * g overflowed: the reference refuses it (padding rows r >= rows hold the bias
+            // alone and are never stored: they do not count).
+            if (r < rows && !isfinite(v)) nonfinite = true;
             s[mt][hh][c] = v;
             m = fmaxf(m, fabsf(v));
           }
@@ -653,10 +663,12 @@ ORT_OPS_CUDA_EXPORT int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight,
                                           const int64_t* group_list, int8_t* y, float* y_scale,
                                           float* y_offset, void* workspace, int64_t m, int64_t k,
                                           int64_t n, int64_t e, int group_list_type, int config,
-                                          int weight_layout, void* stream) {
+                                          int weight_layout, const float* bias, int activation,
+                                          float alpha, float limit, void* stream) {
   using namespace ort_ops::gmsq_cuda;
   GmsqParams p{x, weight, w_scale, x_scale, group_list, y, y_scale, y_offset, workspace,
-               m, k, n, e, group_list_type, config, nullptr, weight_layout};
+               m, k, n, e, group_list_type, config, nullptr, weight_layout, nullptr,
+               bias, activation, alpha, limit};
   return static_cast<int>(launch_gmsq(p, static_cast<cudaStream_t>(stream)));
 }
 
@@ -665,10 +677,10 @@ ORT_OPS_CUDA_EXPORT int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight,
                                          const int64_t* group_list, float* y, void* workspace,
                                          int64_t m, int64_t k, int64_t n, int64_t e,
                                          int group_list_type, int config, int weight_layout,
-                                         void* stream) {
+                                         const float* bias, void* stream) {
   using namespace ort_ops::gmsq_cuda;
   GmsqParams p{x, weight, w_scale, x_scale, group_list, nullptr, nullptr, nullptr, workspace,
-               m, k, n, e, group_list_type, config, y, weight_layout};
+               m, k, n, e, group_list_type, config, y, weight_layout, nullptr, bias};
   return static_cast<int>(launch_gmd(p, static_cast<cudaStream_t>(stream)));
 }
 

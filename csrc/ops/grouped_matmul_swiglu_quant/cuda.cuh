@@ -10,7 +10,11 @@
 //   w_scale  float32 [E, N]
 //   x_scale  float32 [M]
 //   group_list int64 [E]             device memory; cumulative ends (type 0) or counts (type 1)
+//   bias     float32 [E, N]          optional (nullptr: none): C = ((acc * xs) * ws) + bias
 //   y        int8    [M, N/2], y_scale float32 [M], y_offset float32 [M] (zeros)
+// activation (GroupedMatmulSwigluQuant): kGmsqActSwiglu S = (A / (1 + exp_f32(-A))) * G, or
+// kGmsqActSwigluOai (gpt-oss): a = min(A, limit), g = min(max(G, -limit), limit),
+// S = (g + 1) * (a / (1 + exp_f32(-(alpha * a)))); the host checks alpha finite, limit > 0.
 //
 // Requirements (checked by the launcher, cudaErrorInvalidValue otherwise; op.cc refuses them
 // first with a message): K % 16 == 0 and N % 32 == 0 (16-byte cp.async rows; the SwiGLU up
@@ -30,6 +34,10 @@ constexpr int kGmsqMaxExperts = 1024;
 // it clamps, finishes and reports, and the caller turns a non-zero word into an error.
 constexpr int kErrGroupList = 1;  // group_list decreasing, negative or ending past M
 constexpr int kErrNonFinite = 2;  // a dequantized C or S was NaN or Inf (no INT8 code)
+
+// GmsqParams::activation: grouped_matmul::Activation's values (ops/grouped_matmul/activation.h).
+constexpr int kGmsqActSwiglu = 0;
+constexpr int kGmsqActSwigluOai = 1;
 
 // Tile configurations (rows per tile BM x output columns per tile); the launcher picks one
 // from M / E unless `config` >= 0 forces it (benchmarks and tests).
@@ -70,6 +78,10 @@ struct GmsqParams {
   // never cleared by a launch. nullptr: the workspace's first int, zeroed by each launch (the C
   // entries below, for tests that read it back with gmsq_error_word).
   int* err = nullptr;
+  const float* bias = nullptr;  // [E, N] float32 device memory, or nullptr (no bias)
+  int activation = kGmsqActSwiglu;  // launch_gmsq only
+  float alpha = 1.702f;             // kGmsqActSwigluOai only
+  float limit = 7.0f;
 };
 constexpr int kGmsqPackedCols = 128;
 constexpr int kGmsqLayoutKMajor = 2;  // GmsqParams::weight_layout [E, N, K]
@@ -83,9 +95,9 @@ size_t gmsq_workspace_bytes(int64_t m, int64_t n, int64_t e);
 // status; the error bits are in p.err (or gmsq_error_word(workspace)) once the stream reaches them.
 cudaError_t launch_gmsq(const GmsqParams& p, cudaStream_t stream);
 // GroupedMatmulDequant (the down projection) on the same tiles: y_float [M, N] float32 =
-// (float32(acc) * x_scale) * w_scale, zeros past the last group end; y, y_scale, y_offset are
-// unused. Same requirements, workspace and error word (kErrNonFinite is never set: Inf is a
-// valid float output there).
+// (float32(acc) * x_scale) * w_scale (+ bias), zeros past the last group end; y, y_scale,
+// y_offset are unused. Same requirements, workspace and error word (kErrNonFinite is never set:
+// Inf is a valid float output there).
 cudaError_t launch_gmd(const GmsqParams& p, cudaStream_t stream);
 inline int* gmsq_error_word(void* workspace) { return static_cast<int*>(workspace); }
 
@@ -95,15 +107,19 @@ cudaError_t launch_half_to_float(const uint16_t* src, float* dst, int64_t n, cud
 }  // namespace ort_ops::gmsq_cuda
 
 // Plain C entry for tests and benchmarks (ctypes, torch tensors): the arguments of GmsqParams in
-// order (weight_layout last), then the stream. Returns a cudaError_t value.
+// order (weight_layout, then bias, activation, alpha, limit), then the stream. Returns a
+// cudaError_t value.
 extern "C" int ort_ops_gmsq_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
                                  const float* x_scale, const int64_t* group_list, int8_t* y,
                                  float* y_scale, float* y_offset, void* workspace, int64_t m,
                                  int64_t k, int64_t n, int64_t e, int group_list_type, int config,
-                                 int weight_layout, void* stream);
+                                 int weight_layout, const float* bias, int activation, float alpha,
+                                 float limit, void* stream);
 extern "C" size_t ort_ops_gmsq_cuda_workspace_bytes(int64_t m, int64_t n, int64_t e);
-// GroupedMatmulDequant: x, weight, w_scale, x_scale, group_list, y float32 [M, N], workspace.
+// GroupedMatmulDequant: x, weight, w_scale, x_scale, group_list, y float32 [M, N], workspace,
+// ..., weight_layout, bias (nullptr: none), stream.
 extern "C" int ort_ops_gmd_cuda(const int8_t* x, const int8_t* weight, const float* w_scale,
                                 const float* x_scale, const int64_t* group_list, float* y,
                                 void* workspace, int64_t m, int64_t k, int64_t n, int64_t e,
-                                int group_list_type, int config, int weight_layout, void* stream);
+                                int group_list_type, int config, int weight_layout,
+                                const float* bias, void* stream);

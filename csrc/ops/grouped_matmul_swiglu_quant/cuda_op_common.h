@@ -29,12 +29,15 @@ namespace ort_ops::gmsq_cuda {
 using cuda_util::check_cuda;
 using cuda_util::OrtCudaScratch;
 
-// Validates inputs 0..4, allocates the outputs and runs the op. swiglu: GroupedMatmulSwigluQuant
-// (outputs y int8 [M, N/2], y_scale, y_offset), else GroupedMatmulDequant (y float32 [M, N]).
+// Validates inputs 0..5, allocates the outputs and runs the op (bias: the optional input 5, its
+// values unchecked on the host: DESIGN.md; act: GroupedMatmulSwigluQuant's activation).
+// swiglu: GroupedMatmulSwigluQuant (outputs y int8 [M, N/2], y_scale, y_offset), else
+// GroupedMatmulDequant (y float32 [M, N]).
 // layout: GroupedMatmulSwigluQuant's weight_layout; "ENK" is GmsqParams::weight_layout 2 (the
 // Hopper wgmma kernel for many rows an expert on sm_90, else the mma.sync kernel's K-major path).
 inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t group_list_type,
-                           bool swiglu, gmsq_layout::WeightLayout layout, int* status_word) {
+                           bool swiglu, gmsq_layout::WeightLayout layout,
+                           const grouped_matmul::Act& act, int* status_word) {
   constexpr auto F16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   if (layout == gmsq_layout::WeightLayout::kEN16K4)
     fail_unsupported(op, "weight_layout 'EN16K4' is a CPU layout; use ", swiglu ? "'EKN' or 'ENK'" : "'EKN'",
@@ -44,7 +47,6 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   const InputView &x = in.x, &w = in.weight, &ws = in.weight_scale, &xs = in.x_scale,
                   &gl = in.group_list;
   const grouped_matmul::Dims d = grouped_matmul::validate_inputs(op, in, swiglu, {});
-  if (in.bias.present) fail_unsupported(op, "input 'bias' is not supported on the CUDA EP yet");
   const int64_t m = d.m, k = d.k, e = d.e, n = d.n;
   // The kernel's needs: exact int32 sums, 16-byte rows of x and weight, the second column half
   // starting at N/2 on a 16-byte boundary.
@@ -99,6 +101,11 @@ inline void run_grouped_op(const char* op, Ort::KernelContext& ctx, int64_t grou
   p.config = kGmsqAuto;
   p.weight_layout = enk ? kGmsqLayoutKMajor : 0;
   p.err = status_word;
+  p.bias = in.bias.present ? in.bias.ptr<float>() : nullptr;
+  p.activation =
+      act.kind == grouped_matmul::Activation::kSwigluOai ? kGmsqActSwigluOai : kGmsqActSwiglu;
+  p.alpha = act.alpha;
+  p.limit = act.limit;
   const cudaError_t launched = swiglu ? launch_gmsq(p, stream) : launch_gmd(p, stream);
   check_cuda(op, launched, "kernel launch");
 }
@@ -127,13 +134,11 @@ class GroupedOpCuda final : public KernelImpl {
 
   void compute(Ort::KernelContext& ctx) override {
     status_.raise_pending();
-    if (act_.kind != grouped_matmul::Activation::kSwiglu)
-      fail_unsupported(op_, "attribute 'activation' 'swiglu_oai' is not supported on the CUDA EP yet");
     if (!swiglu_ && layout_ == gmsq_layout::WeightLayout::kENK)
       fail_unsupported(op_, "weight_layout 'ENK' is not supported on CUDA (the kernel reads K-major weights "
                             "only in GroupedMatmulSwigluQuant); use 'EKN'");
     rows_.store(ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape().at(0));
-    run_grouped_op(op_, ctx, group_list_type_, swiglu_, layout_, status_.word(op_));
+    run_grouped_op(op_, ctx, group_list_type_, swiglu_, layout_, act_, status_.word(op_));
   }
 
  private:

@@ -600,13 +600,14 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
     }
     const float xs = p.x_scale[r];
     const float* wsr = p.w_scale + static_cast<int64_t>(e) * N;
+    const float* bias = p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * N : nullptr;
     if (!waited) {
       for (int i = tid; i < N / 32; i += nt)  // the row's weight scales, 128-byte lines
         asm volatile("prefetch.global.L1 [%0];\n" ::"l"(wsr + 32 * i));
       wait_stream();
     }
     if constexpr (DEQUANT) {
-      // y = (float32(acc) * x_scale) * w_scale (overflow gives Inf: no error, as cuda.cu).
+      // y = ((float32(acc) * x_scale) * w_scale) + bias (overflow gives Inf: no error, as cuda.cu).
       for (int j = tid; j < pairs; j += nt) {
         const int cols[1] = {2 * j};
         int2 vs[1];
@@ -614,8 +615,9 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
         const int2 v = vs[0];
         const float2 w = *reinterpret_cast<const float2*>(wsr + 2 * j);
         *reinterpret_cast<float2*>(p.y_float + static_cast<int64_t>(r) * N + 2 * j) =
-            make_float2(__fmul_rn(__fmul_rn(__int2float_rn(v.x), xs), w.x),
-                        __fmul_rn(__fmul_rn(__int2float_rn(v.y), xs), w.y));
+            make_float2(epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v.x), xs), w.x), bias, 2 * j),
+                        epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v.y), xs), w.y), bias,
+                                       2 * j + 1));
       }
       continue;
     }
@@ -628,13 +630,16 @@ __global__ void __launch_bounds__(kEpiMaxThreads)
       const int2 va = vs[0], vg = vs[1];
       const float2 wa = *reinterpret_cast<const float2*>(wsr + 2 * j);
       const float2 wg = *reinterpret_cast<const float2*>(wsr + half + 2 * j);
-      const float ca0 = __fmul_rn(__fmul_rn(__int2float_rn(va.x), xs), wa.x);
-      const float ca1 = __fmul_rn(__fmul_rn(__int2float_rn(va.y), xs), wa.y);
-      const float cg0 = __fmul_rn(__fmul_rn(__int2float_rn(vg.x), xs), wg.x);
-      const float cg1 = __fmul_rn(__fmul_rn(__int2float_rn(vg.y), xs), wg.y);
+      auto c_of = [&](int v, float w, int col) {  // ((float32(acc) * xs) * ws) + bias
+        return epi::plus_bias(__fmul_rn(__fmul_rn(__int2float_rn(v), xs), w), bias, col);
+      };
+      const float ca0 = c_of(va.x, wa.x, 2 * j);
+      const float ca1 = c_of(va.y, wa.y, 2 * j + 1);
+      const float cg0 = c_of(vg.x, wg.x, half + 2 * j);
+      const float cg1 = c_of(vg.y, wg.y, half + 2 * j + 1);
       if (!isfinite(ca0) || !isfinite(cg0) || !isfinite(ca1) || !isfinite(cg1)) nonfinite = true;
-      const float v0 = epi::swiglu_f32(ca0, cg0);
-      const float v1 = epi::swiglu_f32(ca1, cg1);
+      const float v0 = epi::activation_f32(p, ca0, cg0);
+      const float v1 = epi::activation_f32(p, ca1, cg1);
       if (!isfinite(v0) || !isfinite(v1)) nonfinite = true;  // s * g overflowed: refused
       s_out[2 * j] = v0;
       s_out[2 * j + 1] = v1;

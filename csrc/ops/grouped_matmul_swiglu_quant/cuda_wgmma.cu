@@ -155,12 +155,15 @@ __device__ __forceinline__ float div_rn_fast(float a, float d) {
   const float q1 = __fmaf_rn(r1, rem, q0);
   return a == 0.0f ? a : q1;  // 0 / d keeps a's sign
 }
-// Whether SwiGLU's a / (1 + exp_f32(-a)) is in div_rn_fast's range: a >= -86 keeps
-// d = 1 + exp_f32(-a) < e^86 < 2^125, so the reciprocal, the quotient (>= 86 e^-86 > 2^-118) and
-// the remainder stay normal floats (no flush to zero, nothing the slow path would fix).
-__device__ __forceinline__ bool div_fast_ok(float a) {
+// Whether the activation's a / (1 + exp_f32(-z)) (epi::act_terms: num a, arg z) is in
+// div_rn_fast's range. "swiglu" (z = a): a >= -86 keeps d = 1 + exp_f32(-a) < e^86 < 2^125, so
+// the reciprocal, the quotient (>= 86 e^-86 > 2^-118) and the remainder stay normal floats (no
+// flush to zero, nothing the slow path would fix). "swiglu_oai" (z = alpha * a, alpha any finite
+// value, so a and z are not tied): z >= -40 keeps d < 2^58, and with |a| >= 2^-32 the quotient
+// stays above 2^-90 and the remainder (about ulp(a) >= 2^-55) normal.
+__device__ __forceinline__ bool div_fast_ok(float a, float z, bool oai) {
   const float m = fabsf(a);
-  return a == 0.0f || (m >= 0x1p-32f && m <= 0x1p32f && a >= -86.0f);
+  return a == 0.0f || (m >= 0x1p-32f && m <= 0x1p32f && z >= (oai ? -40.0f : -86.0f));
 }
 
 // epi::quant_code in one conversion: |S| <= amax, so |S * RN(127 / amax)| <= 127 (1 + 2^-23)
@@ -175,22 +178,36 @@ __device__ __forceinline__ int quant_code_rn(float s, float inv) {
 __device__ __forceinline__ float dequant(uint32_t acc, float xs, float2 w, int r) {
   return __fmul_rn(__fmul_rn(__int2float_rn(static_cast<int>(acc)), xs), (r & 1) ? w.y : w.x);
 }
-// Dequantize, SwiGLU (S replaces the gate accumulators: NJ n8 column groups acc[0, 4 NJ), the
-// matching up ones after them), per-row max of |S| over this thread's valid columns (m0: row g,
-// m1: row g + 8), non-finite C or S of valid rows noted. S is finite iff C_gate, C_up and S all
+// The bias of columns col, col + 1 (zeros without a bias: c_value does not add them then).
+__device__ __forceinline__ float2 bias_pair(const float* bsr, int col) {
+  return bsr != nullptr ? __ldg(reinterpret_cast<const float2*>(bsr + col)) : make_float2(0.f, 0.f);
+}
+// C = dequant + bias (one float32 add; b: the bias of the same two columns) when there is one.
+__device__ __forceinline__ float c_value(uint32_t acc, float xs, float2 w, bool has_bias, float2 b,
+                                         int r) {
+  const float c = dequant(acc, xs, w, r);
+  return has_bias ? __fadd_rn(c, (r & 1) ? b.y : b.x) : c;
+}
+// Dequantize, add the bias (bsr: the expert's bias row, or nullptr), the activation of p (S
+// replaces the gate accumulators: NJ n8 column groups acc[0, 4 NJ), the matching up ones after
+// them), per-row max of |S| over this thread's valid columns (m0: row g, m1: row g + 8),
+// non-finite C or S of valid rows noted. For "swiglu", S is finite iff C_gate, C_up and S all
 // are (an Inf or NaN operand makes S Inf or NaN: exp_f32 clamps, and 0 * Inf is NaN), so one
 // test of S per element suffices: fmaf(S, 0, chk) turns chk into NaN at the first non-finite S.
+// "swiglu_oai" clamps (fminf(NaN, limit) is limit), so there C_gate and C_up are tested too.
 // Two passes: every element by the branch-free division, the raw gate accumulator kept (and a
 // bit set in `redo`) where the gate value is outside div_rn_fast's range; then, only in threads
 // with such elements, those elements again by the exact division (epi::swiglu_f32). So one
 // out-of-range value costs one exact element, where the previous per-thread choice sent all
 // 8 NJ elements of the thread (and stalled its warp) down the exact path.
 template <int NJ>
-__device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const float* wsr,
-                                                  int col0, int half, int t, float xs0, float xs1,
-                                                  bool ok0, bool ok1, float& m0, float& m1,
-                                                  bool& nonfinite) {
+__device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const GmsqParams& p,
+                                                  const float* wsr, const float* bsr, int col0,
+                                                  int half, int t, float xs0, float xs1, bool ok0,
+                                                  bool ok1, float& m0, float& m1, bool& nonfinite) {
   static_assert(4 * NJ <= 64, "one bit an element");
+  const bool oai = p.activation == kGmsqActSwigluOai;
+  const bool has_bias = bsr != nullptr;
   float chk0 = 0.0f, chk1 = 0.0f;
   uint64_t redo = 0;
 #pragma unroll
@@ -199,17 +216,23 @@ __device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const
     if (col0 + 8 * j < half) {  // half % 16 == 0: the 8 columns of j are all in or all out
       const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col));
       const float2 wgt = __ldg(reinterpret_cast<const float2*>(wsr + half + col));
+      const float2 ba = bias_pair(bsr, col);
+      const float2 bg = bias_pair(bsr, half + col);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const bool hi = r >> 1;
         const float xs = hi ? xs1 : xs0;
-        const float ca = dequant(acc[4 * j + r], xs, wa, r);
-        const float cg = dequant(acc[4 * NJ + 4 * j + r], xs, wgt, r);
-        const bool in = div_fast_ok(ca);
-        const float v = __fmul_rn(div_rn_fast(ca, __fadd_rn(1.0f, epi::exp_f32(-ca))), cg);
+        const float ca = c_value(acc[4 * j + r], xs, wa, has_bias, ba, r);
+        const float cg = c_value(acc[4 * NJ + 4 * j + r], xs, wgt, has_bias, bg, r);
+        const epi::ActTerms at = epi::act_terms(p, ca, cg);
+        const bool in = div_fast_ok(at.num, at.arg, oai);
+        const float d = __fadd_rn(1.0f, epi::exp_f32(-at.arg));
+        const float v = __fmul_rn(div_rn_fast(at.num, d), at.mul);
         const float vk = in ? v : 0.0f;  // out-of-range elements join the max in pass 2
         redo |= static_cast<uint64_t>(!in) << (4 * j + r);
         acc[4 * j + r] = in ? __float_as_uint(v) : acc[4 * j + r];
+        if (oai && hi) chk1 = __fmaf_rn(cg, 0.0f, __fmaf_rn(ca, 0.0f, chk1));
+        if (oai && !hi) chk0 = __fmaf_rn(cg, 0.0f, __fmaf_rn(ca, 0.0f, chk0));
         if (hi) {
           m1 = fmaxf(m1, fabsf(vk));
           chk1 = __fmaf_rn(vk, 0.0f, chk1);
@@ -234,8 +257,10 @@ __device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const
           const float xs = hi ? xs1 : xs0;
           const float2 wa = __ldg(reinterpret_cast<const float2*>(wsr + col));
           const float2 wgt = __ldg(reinterpret_cast<const float2*>(wsr + half + col));
-          const float v = epi::swiglu_f32(dequant(acc[4 * j + r], xs, wa, r),
-                                          dequant(acc[4 * NJ + 4 * j + r], xs, wgt, r));
+          const float ca = c_value(acc[4 * j + r], xs, wa, has_bias, bias_pair(bsr, col), r);
+          const float cg =
+              c_value(acc[4 * NJ + 4 * j + r], xs, wgt, has_bias, bias_pair(bsr, half + col), r);
+          const float v = epi::activation_f32(p, ca, cg);
           acc[4 * j + r] = __float_as_uint(v);
           if (hi) {
             m1 = fmaxf(m1, fabsf(v));
@@ -481,9 +506,11 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       const float xs0 = ok0 ? p.x_scale[row0 + rl] : 0.0f;
       const float xs1 = ok1 ? p.x_scale[row0 + rl + 8] : 0.0f;
       const float* wsr = p.w_scale + static_cast<int64_t>(e) * f.N;
+      const float* bsr = p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * f.N : nullptr;
       float m0 = 0.0f, m1 = 0.0f;
       bool nonfinite = false;
-      swiglu_tile_mixed<16>(acc, wsr, f.col0, f.half, t, xs0, xs1, ok0, ok1, m0, m1, nonfinite);
+      swiglu_tile_mixed<16>(acc, p, wsr, bsr, f.col0, f.half, t, xs0, xs1, ok0, ok1, m0, m1,
+                            nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
       m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
@@ -639,10 +666,13 @@ __global__ void __launch_bounds__(WgPPCfg::kThreads, 1)
       const float xs10 = ok10 ? p.x_scale[row0 + rl + 64] : 0.0f;
       const float xs11 = ok11 ? p.x_scale[row0 + rl + 72] : 0.0f;
       const float* wsr = p.w_scale + static_cast<int64_t>(e) * f.N;
+      const float* bsr = p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * f.N : nullptr;
       float m00 = 0.0f, m01 = 0.0f, m10 = 0.0f, m11 = 0.0f;
       bool nonfinite = false;
-      swiglu_tile_mixed<8>(acc0, wsr, f.col0, f.half, t, xs00, xs01, ok00, ok01, m00, m01, nonfinite);
-      swiglu_tile_mixed<8>(acc1, wsr, f.col0, f.half, t, xs10, xs11, ok10, ok11, m10, m11, nonfinite);
+      swiglu_tile_mixed<8>(acc0, p, wsr, bsr, f.col0, f.half, t, xs00, xs01, ok00, ok01, m00, m01,
+                           nonfinite);
+      swiglu_tile_mixed<8>(acc1, p, wsr, bsr, f.col0, f.half, t, xs10, xs11, ok10, ok11, m10, m11,
+                           nonfinite);
       if (nonfinite) atomicOr(ws.err, kErrNonFinite);
       float mx[4] = {m00, m01, m10, m11};
 #pragma unroll

@@ -46,6 +46,36 @@ __device__ __forceinline__ float swiglu_f32(float a, float g) {
   return __fmul_rn(__fdiv_rn(a, d), g);
 }
 
+// C plus the bias (one float32 add) when there is one; C itself otherwise (adding 0 would turn
+// a -0 into +0, and GroupedMatmulDequant's output is compared bit for bit).
+__device__ __forceinline__ float plus_bias(float c, const float* bias, int64_t i) {
+  return bias != nullptr ? __fadd_rn(c, __ldg(bias + i)) : c;
+}
+
+// The activation as S = mul * (num / (1 + exp_f32(-arg))), the operands computed in the
+// contract's order: "swiglu" num = arg = A, mul = G; "swiglu_oai" num = min(A, limit),
+// arg = alpha * num, mul = min(max(G, -limit), limit) + 1. For finite A, G, fminf / fmaxf
+// are numpy's minimum / maximum (a NaN A or G is refused by the caller before S counts).
+struct ActTerms {
+  float num, arg, mul;
+};
+__device__ __forceinline__ ActTerms act_terms(const GmsqParams& p, float a, float g) {
+  if (p.activation == kGmsqActSwigluOai) {
+    const float an = fminf(a, p.limit);
+    const float gc = fminf(fmaxf(g, -p.limit), p.limit);
+    return {an, __fmul_rn(p.alpha, an), __fadd_rn(gc, 1.0f)};
+  }
+  return {a, a, g};
+}
+
+// S of p.activation with the exact division: swiglu_f32 for "swiglu", the same operations on
+// act_terms' operands for "swiglu_oai" ((g + 1) * s: the product commutes exactly).
+__device__ __forceinline__ float activation_f32(const GmsqParams& p, float a, float g) {
+  const ActTerms t = act_terms(p, a, g);
+  const float d = __fadd_rn(1.0f, exp_f32(-t.arg));
+  return __fmul_rn(__fdiv_rn(t.num, d), t.mul);
+}
+
 __device__ __forceinline__ int quant_code(float s, float inv) {
   const float q = rintf(__fmul_rn(s, inv));
   return static_cast<int>(fminf(fmaxf(q, -127.0f), 127.0f));

@@ -73,7 +73,8 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
           fail_invalid(kOp, "row ", r,
                        ": the SwiGLU output overflows float32; check inputs 'x_scale' and 'weight_scale'");
     };
-    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h, quantize_rows, act_);
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h,
+                              quantize_rows, act_);
   }
 
  private:
