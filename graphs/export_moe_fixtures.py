@@ -194,7 +194,7 @@ def _probe_logits(model, experts: str) -> tuple[np.ndarray, np.ndarray]:
     return ids.numpy(), logits.float().numpy()
 
 
-def _strip(path: pathlib.Path) -> None:
+def _strip(path: pathlib.Path, note: str = GENERATED_NOTE) -> None:
     """Drops per-node metadata (torch's stack traces: a third of the file) and doc strings."""
     import onnx
 
@@ -202,7 +202,7 @@ def _strip(path: pathlib.Path) -> None:
     for node in model.graph.node:
         del node.metadata_props[:]
         node.doc_string = ""
-    model.doc_string = GENERATED_NOTE
+    model.doc_string = note
     onnx.save(model, str(path))
 
 
@@ -238,10 +238,13 @@ def main(argv=None) -> int:
         _strip(out / f"{name}.onnx")
         np.savez(out / f"{name}.npz", input_ids=ids, logits=logits, note=np.array(GENERATED_NOTE))
         print(f"{name}: {(out / f'{name}.onnx').stat().st_size / 1024:.0f} KiB")
-    (out / "README.md").write_text(
+    readme = out / "README.md"
+    # graphs/export_moe_families.py's fixtures keep their lines.
+    kept = [ln for ln in readme.read_text().splitlines() if "export_moe_families.py" in ln] if readme.exists() else []
+    readme.write_text(
         f"# MoE rewrite fixtures\n\n{GENERATED_NOTE}. Tiny random-weight causal LMs "
         "(see the script's docstring for the form each file holds); `<name>.npz` holds a probe "
-        "`input_ids` and the torch model's `logits` for it.\n")
+        "`input_ids` and the torch model's `logits` for it.\n" + "".join(f"{ln}\n" for ln in kept))
     return 0
 
 

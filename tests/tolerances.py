@@ -83,6 +83,13 @@ PA_CUDA_FP16_OUT_RTOL = 2.0 ** -10
 # less (measured 0.5-0.9% relative L2 on the fixtures); 3% leaves room for other random weights
 # while a block fused with a wrong weight role or routing is off by tens of percent.
 MOE_REWRITE_LOGITS_REL_L2 = 0.03
+# A fixture where the INT8 error of one MoE layer flips a later layer's top-k at a near-tie for
+# some probe token: that token's logits move by ~15% (a different expert), the others by the
+# INT8 error alone. gpt-oss (graphs/export_moe_families.py): token 4 of 24 swaps layer 1's second
+# expert (router logits 0.889 vs 0.864) after layer 0 is fused: 14.6% there, 0.8% over the other
+# 23, 3.05% over all. Such a fixture keeps MOE_REWRITE_LOGITS_REL_L2 on the median token and this
+# bound on the whole; a wrong weight role or routing still moves every token by tens of percent.
+MOE_REWRITE_LOGITS_REL_L2_WITH_FLIP = 0.05
 # Greedy decoding, teacher-forced on the fp32 model's continuation: the share of positions where
 # the rewritten model picks the same next token (issue 8 asks >= 95%).
 MOE_REWRITE_GREEDY_AGREEMENT = 0.95

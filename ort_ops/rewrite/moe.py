@@ -12,7 +12,11 @@ B batch, S sequence.
 Expert weights come from constant initializers and are quantized offline per output channel
 (``ort_ops.ops.moe_layer.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
 the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, H] with scales
-[E, H]. With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
+[E, H]. gpt-oss's interleaved gate/up columns (gate = [..., ::2], up = [..., 1::2]) are permuted
+offline into that [gate | up] order, and so are its gate_up biases; expert biases go to the
+GEMMs' bias inputs (float32 [E, 2I] and [E, H]) and its clamped SwiGLU to
+GroupedMatmulSwigluQuant's ``activation="swiglu_oai"`` with the alpha and limit the graph holds.
+With the option ``moe_weight_layout="ENK"`` (``ort-ops rewrite --moe-weight-layout ENK``)
 gate_up is stored transposed, int8 [E, 2I, H], and GroupedMatmulSwigluQuant says so with its
 attribute ``weight_layout="ENK"``: the Hopper wgmma kernel's operand, packed here offline (same
 outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stores both GEMMs'
@@ -22,22 +26,33 @@ weight_layout="EN16K4" (a weight whose K, H or I, is not a multiple of 4 keeps "
 The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
 with the graph's own routing.
 
-Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py``): torch.onnx dynamo
-and legacy with transformers' ``batched_mm`` experts (GatherND of stacked weights, batched MatMul),
+Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py`` and
+``graphs/export_moe_families.py``): torch.onnx dynamo and legacy with transformers' ``batched_mm``
+experts (GatherND of stacked weights, batched MatMul) for Mixtral, Qwen2/3-MoE, DeepSeek-V3 and
+gpt-oss,
 transformers 5.x's exporter (sort by expert, per-expert unrolled Range/Gather/MatMul/Concat),
 optimum's unrolled per-expert loop (NonZero/Gather/three MatMuls/ScatterElements), and the
 ``com.microsoft`` ``MoE`` / ``QMoE`` nodes (silu with fc3, or interleaved swiglu at alpha 1,
 beta 0; QMoE's 8/4-bit codes dequantized, then re-quantized by the rule above). A shared expert
-added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``).
+added to a fused block's output runs as one always-on INT8 expert (``_fuse_shared_expert``;
+DeepSeek-V3's n_shared_experts are one MLP of their summed width, over the [B, S, H] hidden state).
 
 float16 blocks run the chain on float16 activations (the ops take them) with one Cast of the
 float32 output back to float16; bfloat16 ones are not fused (the probe runs on ORT's CPU
 provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
 and Identities between its GEMM, its Softmax and the TopK.
 
-Not handled (declined with a reason): routers that are not a softmax over a linear projection
-(e.g. sigmoid scores with a selection bias), expert biases, activations other than SiLU-gated, MoE
-blocks inside subgraphs.
+Routers kept as the graph computes them: softmax over a linear projection then TopK (Mixtral,
+Qwen), TopK of the logits then a Softmax of the K values (gpt-oss, with its router bias), and
+DeepSeek-V3's sigmoid router (the selection TopK ranks the scores plus a correction bias,
+group-limited by further TopKs; the weights are the unbiased scores gathered at the selected ids,
+renormalized and multiplied by routed_scaling_factor).
+
+Not handled (declined with a reason): routers whose weights are neither a softmax of scores nor
+sigmoid scores gathered at the selection (e.g. raw top-k logits), activations other than SiLU-gated
+and gpt-oss's clamped SwiGLU (a Gelu, or a clamp whose up bounds are not [-limit, limit]), expert
+biases in unrolled per-expert forms and in com.microsoft MoE/QMoE nodes, swiglu with alpha != 1
+or a limit in com.microsoft nodes, MoE blocks inside subgraphs.
 
 Why graph walking (onnx-ir) rather than onnxscript rewriter patterns: the exported forms differ
 in dozens of index-plumbing nodes (OneHot/Tile, ScatterElements/CumSum, NonZero, GatherND) and
@@ -45,17 +60,21 @@ the unrolled ones repeat a subgraph E times, which a fixed pattern cannot expres
 anchors on what every form shares and proves the rest:
 
 1. the router: a ``TopK`` over ``Softmax(Gemm|MatMul(x, W_router))`` (or the TopK of the logits
-   followed by a Softmax of the K values) with a constant router weight; the top-k weights are
+   followed by a Softmax of the K values), or a selection TopK whose ids gather the weights from
+   ``Sigmoid(Gemm|MatMul(x, W_router))``, with a constant router weight; the top-k weights are
    followed through the [T, K] chain that renormalizes / rescales them, and used as the graph
    computes them;
 2. the block output: a post-dominator of the TopK (every path from the router to the model's
    outputs passes through it); the block is everything between the hidden state and it;
-3. structure inside the block: every expert activation is ``x * Sigmoid(x) * up`` (SiLU-gated;
-   any other activation op declines), one gated product for stacked weights or exactly E of them
+3. structure inside the block: every expert activation is ``x * Sigmoid(x) * up`` (SiLU-gated)
+   or ``(Clip(up, -limit, limit) + 1) * a * Sigmoid(alpha * a)`` with ``a = Clip(gate, max=limit)``
+   (gpt-oss; alpha and limit read from the graph's constants), all the same (any other activation
+   op declines), one gated product for stacked weights or exactly E of them
    for unrolled experts (fewer: a trace specialized to the experts its example input hit, which
    is wrong for other inputs: declined), no non-constant float tensor read besides the hidden
    state (weights must be initializers);
-4. the weights' roles (gate / up / down, orientation, expert order) are read from the constants
+4. the weights' roles (gate / up / down, halves or interleaved columns, orientation, expert order,
+   which rank-2 [E, N] constants are biases) are read from the constants
    and confirmed by running the original model on probe inputs (a long prompt hitting every
    expert, and a single token): the block output must equal the float MoE of the extracted
    weights and the graph's routing to float32 rounding (``PROBE_RTOL``), or the block declines.
@@ -75,7 +94,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
-from ort_ops.rewrite._graph import probe_session
+from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT
+from ort_ops.rewrite._graph import attr_int, probe_session
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -113,15 +133,44 @@ class _Candidate:
     weights: ir.Value          # routing weights [T, K] as the graph computes them
     routing: str
     outs: list[ir.Value]       # post-dominator values, in order: the block output is one of them
+    router_nodes: frozenset = frozenset()  # a sigmoid router's Sigmoid: not an expert activation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Activation:
+    """The experts' gated activation as GroupedMatmulSwigluQuant's attributes name it: "swiglu"
+    (SiLU(gate) * up) or "swiglu_oai" (gpt-oss's clamped form, with the graph's alpha and limit)."""
+
+    name: str = "swiglu"
+    alpha: float = OAI_ALPHA
+    limit: float = OAI_LIMIT
+
+    def attrs(self) -> dict:
+        return {} if self.name == "swiglu" else {"activation": self.name, "alpha": self.alpha, "limit": self.limit}
+
+
+SILU = _Activation()
+
+
+@dataclasses.dataclass
+class _Reading:
+    """One interpretation of a block's constants as expert weights (x @ W orientation)."""
+
+    w_gate: np.ndarray         # [E, H, I]
+    w_up: np.ndarray           # [E, H, I]
+    w_down: np.ndarray         # [E, I, H]
+    desc: str
+    b_gate: np.ndarray | None = None  # [E, I]
+    b_up: np.ndarray | None = None    # [E, I]
+    b_down: np.ndarray | None = None  # [E, H]
 
 
 @dataclasses.dataclass
 class _Block:
     cand: _Candidate
     out: ir.Value
-    w_gate: np.ndarray         # [E, H, I]  (x @ W orientation)
-    w_up: np.ndarray           # [E, H, I]
-    w_down: np.ndarray         # [E, I, H]
+    w: _Reading
+    act: _Activation
     form: str
     reshape_to_hidden: bool
 
@@ -269,12 +318,8 @@ def _post_dominators(graph: ir.Graph, node: ir.Node, limit: int = 12) -> list[ir
     return found
 
 
-def _attr_int(n: ir.Node, name: str, default: int) -> int:
-    return n.attributes[name].as_int() if name in n.attributes else default
-
-
 def _is_last_axis(n: ir.Node, rank_hint: int = 2) -> bool:
-    axis = _attr_int(n, "axis", -1)
+    axis = attr_int(n, "axis", -1)
     return axis in (-1, rank_hint - 1)
 
 
@@ -290,37 +335,29 @@ def _through_casts(node: ir.Node | None) -> ir.Node | None:
     ``softmax(logits, dtype=float)`` and mixed-precision routers put between the router GEMM,
     its Softmax and the TopK (they change the scores' precision, never the experts chosen)."""
     while node is not None and node.domain in ("", "ai.onnx") and (
-            node.op_type == "Identity" or node.op_type == "Cast" and _attr_int(node, "to", 0) in _FLOAT_TYPES):
+            node.op_type == "Identity" or node.op_type == "Cast" and attr_int(node, "to", 0) in _FLOAT_TYPES):
         node = node.inputs[0].producer()
     return node
 
 
-def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
-    """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined."""
-    src = _through_casts(topk.inputs[0].producer())
-    softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
-    if softmax_first:
-        if not _is_last_axis(src):
-            raise _Declined("the router Softmax is not over the expert axis")
-        src = src.inputs[0].producer()
+def _router_projection(src: ir.Node | None) -> tuple[ir.Value, np.ndarray]:
+    """(x [T, H], router weight [H, E]) of the router GEMM ``src`` (Gemm, or MatMul by a constant,
+    optionally plus a bias), or _Declined."""
     src = _through_casts(src)
     if src is None:
         raise _Declined("the TopK's scores do not come from a router projection")
-    bias = None
-    if src.op_type == "Add":  # MatMul + bias
-        b0, b1 = (_const(i) for i in src.inputs)
-        mm_in = src.inputs[0] if b1 is not None else src.inputs[1]
-        bias = b1 if b1 is not None else b0
+    if src.op_type == "Add":  # MatMul + bias: it changes only the scores, which the graph keeps computing
+        mm_in = src.inputs[0] if _const(src.inputs[1]) is not None else src.inputs[1]
         src = mm_in.producer()
         if src is None:
             raise _Declined("the router is not a linear projection")
     if src.op_type == "Gemm":
-        if _attr_int(src, "transA", 0):
+        if attr_int(src, "transA", 0):
             raise _Declined("router Gemm with transA is not expressible")
         w = _const(src.inputs[1])
         if w is None:
             raise _Declined(f"router weight '{src.inputs[1].name}' is not a constant initializer")
-        if _attr_int(src, "transB", 0):
+        if attr_int(src, "transB", 0):
             w = w.T
         x = src.inputs[0]
     elif src.op_type == "MatMul":
@@ -332,25 +369,73 @@ def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
         raise _Declined(f"the TopK's scores come from {src.op_type}, not a router Gemm/MatMul")
     if w.ndim != 2:
         raise _Declined(f"router weight has rank {w.ndim}, expected 2")
-    del bias  # a router bias changes only the scores, which the graph keeps computing itself
+    return x, w
+
+
+def _find_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, str]:
+    """(x [T, H], router weight [H, E], how the scores reach the TopK) or _Declined, for a softmax
+    router: the TopK over Softmax(logits), or over the logits themselves."""
+    src = _through_casts(topk.inputs[0].producer())
+    softmax_first = src is not None and src.op_type == "Softmax" and src.domain in ("", "ai.onnx")
+    if softmax_first:
+        if not _is_last_axis(src):
+            raise _Declined("the router Softmax is not over the expert axis")
+        src = src.inputs[0].producer()
+    x, w = _router_projection(src)
     return x, w, "softmax -> topk" if softmax_first else "topk"
 
 
-def _follow_weights(values: ir.Value, softmax_first: bool) -> tuple[ir.Value, str]:
-    """Follows the top-k values through the [T, K] chain exporters write after the TopK:
-    renormalization (Div by ReduceSum), Softmax over the K values, Cast, scaling by a constant.
-    Returns the last tensor of the chain (the routing weights the experts are scaled by)."""
+def _sigmoid_router(topk: ir.Node) -> tuple[ir.Value, np.ndarray, ir.Node, ir.Node] | None:
+    """DeepSeek-V3's router: the selection TopK's ids gather their weights from the unbiased
+    scores, ``GatherElements(Sigmoid(x @ W), ids, axis=-1)``; what the TopK itself ranks (the
+    scores plus a correction bias, group-limited by further TopKs and a mask) only selects, and
+    the graph keeps computing it. Returns (x [T, H], router weight [H, E], the GatherElements, the
+    Sigmoid), None when the TopK's ids gather no sigmoid scores, or _Declined."""
+    for g in _consumers(topk.outputs[1]):
+        if g.op_type != "GatherElements" or g.domain not in ("", "ai.onnx") or g.inputs[1] is not topk.outputs[1]:
+            continue
+        sig = _through_casts(g.inputs[0].producer())
+        if sig is None or sig.op_type != "Sigmoid" or sig.domain not in ("", "ai.onnx"):
+            continue
+        if not _is_last_axis(g):
+            raise _Declined("the routing weights are gathered from the sigmoid scores along another axis "
+                            "than the experts'")
+        x, w = _router_projection(sig.inputs[0].producer())
+        return x, w, g, sig
+    return None
+
+
+def _renormalized(v: ir.Value, reduce_sum: ir.Node) -> ir.Value | None:
+    """The output of ``v / ReduceSum(v)`` when ``reduce_sum`` is that ReduceSum, also with a
+    constant added to the sum (DeepSeek-V3's ``sum + 1e-20``); None otherwise."""
+    sums = [reduce_sum.outputs[0]]
+    for a in _consumers(reduce_sum.outputs[0]):
+        if a.op_type == "Add" and any(_const(i) is not None and _const(i).size == 1 for i in a.inputs):
+            sums.append(a.outputs[0])
+    for s in sums:
+        for d in _consumers(s):
+            if d.op_type == "Div" and d.inputs[0] is v and d.inputs[1] is s:
+                return d.outputs[0]
+    return None
+
+
+def _follow_weights(values: ir.Value, routing: str) -> tuple[ir.Value, str]:
+    """Follows the top-k values through the [T, K] chain exporters write after the TopK (or after
+    the GatherElements of a sigmoid router): renormalization (Div by ReduceSum, plus a constant or
+    not), Softmax over the K values, Cast, scaling by a constant (DeepSeek-V3's
+    routed_scaling_factor). Returns the last tensor of the chain (the routing weights the experts
+    are scaled by) and ``routing`` with the steps appended."""
     v, steps = values, []
     for _ in range(8):
         nxt = None
         for n in _consumers(v):
-            if n.op_type == "ReduceSum" and n.inputs[0] is v and _attr_int(n, "keepdims", 1):
-                for d in _consumers(n.outputs[0]):
-                    if d.op_type == "Div" and d.inputs[0] is v and d.inputs[1] is n.outputs[0]:
-                        nxt, step = d.outputs[0], "renormalize"
+            if n.op_type == "ReduceSum" and n.inputs[0] is v and attr_int(n, "keepdims", 1):
+                d = _renormalized(v, n)
+                if d is not None:
+                    nxt, step = d, "renormalize"
             elif n.op_type == "Softmax" and _is_last_axis(n):
                 nxt, step = n.outputs[0], "softmax over the k"
-            elif n.op_type == "Cast" and _attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            elif n.op_type == "Cast" and attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
                 nxt, step = n.outputs[0], None
             elif n.op_type in ("Mul", "Div") and n.inputs[0] is v:
                 c = _const(n.inputs[1])
@@ -363,32 +448,102 @@ def _follow_weights(values: ir.Value, softmax_first: bool) -> tuple[ir.Value, st
         v = nxt
         if step:
             steps.append(step)
-    desc = ("softmax -> topk" if softmax_first else "topk") + "".join(f" -> {s}" for s in steps)
-    return v, desc
+    return v, routing + "".join(f" -> {s}" for s in steps)
 
 
 # ---------------------------------------------------------------------------------------------
 # step 3: structure inside the block
 
 
-def _gated_products(graph: ir.Graph, region: set[ir.Node]) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
-    """(gate pre-activation, up, product) of every ``a * Sigmoid(a) * b`` in the region, in graph
-    order (an unrolled loop's order is its expert order)."""
+def _scalar(v: ir.Value | None) -> float | None:
+    c = _const(v)
+    return float(c.reshape(-1)[0]) if c is not None and c.size == 1 else None
+
+
+def _other_input(n: ir.Node, v: ir.Value) -> ir.Value | None:
+    """The other operand of a binary node that reads ``v``."""
+    if len(n.inputs) != 2 or v not in n.inputs:
+        return None
+    return n.inputs[1] if n.inputs[0] is v else n.inputs[0]
+
+
+def _clip_bounds(v: ir.Value) -> tuple[ir.Value, float, float] | None:
+    """(input, min, max) when ``v`` is Clip(input, min, max) with constant (or absent) bounds."""
+    n = v.producer()
+    if n is None or n.op_type != "Clip" or n.domain not in ("", "ai.onnx"):
+        return None
+    ins = list(n.inputs) + [None, None]
+    lo = -np.inf if ins[1] is None else _scalar(ins[1])
+    hi = np.inf if ins[2] is None else _scalar(ins[2])
+    if lo is None or hi is None:
+        return None
+    return n.inputs[0], lo, hi
+
+
+def _oai_product(s: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value, _Activation] | None:
+    """gpt-oss's clamped SwiGLU around the Sigmoid ``s``, as exported:
+    ``(Clip(up, -limit, limit) + 1) * (a * Sigmoid(a * alpha))`` with ``a = Clip(gate, max=limit)``.
+    Returns (gate, up, product, activation with the graph's alpha and limit) or None."""
+    m = s.inputs[0].producer()
+    if m is None or m.op_type != "Mul":
+        return None
+    a = next((i for i in m.inputs if _clip_bounds(i) is not None), None)
+    alpha = _scalar(_other_input(m, a)) if a is not None else None
+    if alpha is None:
+        return None
+    gate, lo, limit = _clip_bounds(a)
+    glu = next((n for n in _consumers(s.outputs[0]) if n.op_type == "Mul" and set(n.inputs) == {a, s.outputs[0]}), None)
+    if glu is None or lo != -np.inf:
+        return None
+    for p in _consumers(glu.outputs[0]):
+        plus = _other_input(p, glu.outputs[0]) if p.op_type == "Mul" else None
+        add = plus.producer() if plus is not None else None
+        if add is None or add.op_type != "Add":
+            continue
+        g = next((i for i in add.inputs if _clip_bounds(i) is not None), None)
+        if g is None or _scalar(_other_input(add, g)) != 1.0:
+            continue
+        up, ulo, uhi = _clip_bounds(g)
+        if (ulo, uhi) != (-limit, limit):
+            raise _Declined(f"clamped SwiGLU with gate limit {limit} and up clamp [{ulo}, {uhi}]: not "
+                            "swiglu_oai's [-limit, limit]")
+        if not (np.isfinite(alpha) and np.isfinite(limit) and limit > 0):
+            raise _Declined(f"clamped SwiGLU with alpha {alpha}, limit {limit}: swiglu_oai needs finite values, "
+                            "limit > 0")
+        return gate, up, p.outputs[0], _Activation("swiglu_oai", alpha, limit)
+    return None
+
+
+def _gated_products(graph: ir.Graph, region: set[ir.Node], router_nodes: frozenset = frozenset()
+                    ) -> list[tuple[ir.Value, ir.Value, ir.Value, _Activation]]:
+    """(gate pre-activation, up, product, activation) of every gated product in the region, in
+    graph order (an unrolled loop's order is its expert order): ``a * Sigmoid(a) * b`` (SiLU) or
+    gpt-oss's clamped SwiGLU (``_oai_product``). The Sigmoid of a sigmoid router (in
+    ``router_nodes``) is not an expert's."""
     out = []
     for s in graph:
-        if s not in region or s.op_type != "Sigmoid":
+        if s not in region or s.op_type != "Sigmoid" or s in router_nodes:
             continue
         a = s.inputs[0]
         silu = next((m for m in _consumers(s.outputs[0]) if m.op_type == "Mul"
                      and set(m.inputs) == {a, s.outputs[0]}), None)
         if silu is None:
-            raise _Declined("a Sigmoid in the experts is not part of x * Sigmoid(x) (not SiLU)")
+            oai = _oai_product(s)
+            if oai is None:
+                raise _Declined("a Sigmoid in the experts is neither x * Sigmoid(x) (SiLU) nor gpt-oss's clamped "
+                                "SwiGLU (Clip(up) + 1) * a * Sigmoid(alpha * a)")
+            out.append(oai)
+            continue
         prods = [m for m in _consumers(silu.outputs[0]) if m.op_type == "Mul"]
         if len(prods) != 1:
             raise _Declined("the experts' SiLU is not multiplied by an up projection (not SiLU-gated)")
         p = prods[0]
         b = p.inputs[1] if p.inputs[0] is silu.outputs[0] else p.inputs[0]
-        out.append((a, b, p.outputs[0]))
+        out.append((a, b, p.outputs[0], SILU))
+    if len({act for *_, act in out}) > 1:
+        raise _Declined("the experts use different activations: " + ", ".join(sorted({
+            f"{act.name}" + (f" (alpha {act.alpha}, limit {act.limit})" if act.name != "swiglu" else "")
+            for *_, act in out})))
     return out
 
 
@@ -421,7 +576,7 @@ def _weight_constants(region: set[ir.Node], h: int) -> list[np.ndarray]:
         seen.add(v)
         c = _const(v)
         if c is not None:
-            if c.ndim >= 2 and c.size >= h:
+            if c.ndim >= 2 and c.size >= h or c.ndim == 2:  # (rank 2: biases [E, N] may be small)
                 found.append(c)
             continue
         p = v.producer()
@@ -446,7 +601,7 @@ def _trace_weight(v: ir.Value, want_input_dim: int) -> tuple[np.ndarray, int | N
             continue
         if n.op_type == "Split" and split_idx is None:
             split_idx, parts = list(n.outputs).index(v), len(n.outputs)
-            if _attr_int(n, "axis", 0) not in (-1, 1):
+            if attr_int(n, "axis", 0) not in (-1, 1):
                 return None
             v = n.inputs[0]
             n = v.producer()
@@ -457,11 +612,11 @@ def _trace_weight(v: ir.Value, want_input_dim: int) -> tuple[np.ndarray, int | N
         if w is None:
             return None
         w = w.reshape(w.shape[-2:]) if w.ndim == 3 and w.shape[0] == 1 else w
-    elif n.op_type == "Gemm" and not _attr_int(n, "transA", 0):
+    elif n.op_type == "Gemm" and not attr_int(n, "transA", 0):
         w = _fold(n.inputs[1])
         if w is None or len(n.inputs) > 2 and n.inputs[2] is not None:
             return None
-        w = w.T if _attr_int(n, "transB", 0) else w
+        w = w.T if attr_int(n, "transB", 0) else w
     else:
         return None
     if w.ndim != 2 or w.shape[0] != want_input_dim:
@@ -489,7 +644,7 @@ def _down_of(p: ir.Value, inter: int) -> np.ndarray | None:
 def _unrolled_weights(products, hidden: int):
     """Per-expert (gate [H, I], up [H, I], down [I, H]) from E gated products, in graph order."""
     experts = []
-    for a, b, p in products:
+    for a, b, p, _ in products:
         ga, gb = _trace_weight(a, hidden), _trace_weight(b, hidden)
         if ga is None or gb is None:
             raise _Declined("an unrolled expert's gate/up is not a projection by a constant weight")
@@ -503,13 +658,16 @@ def _unrolled_weights(products, hidden: int):
         if wd is None or wd.shape != (wg.shape[1], hidden):
             raise _Declined("an unrolled expert's down projection is not a constant weight")
         experts.append((wg, wu, wd))
-    return (np.stack([e[0] for e in experts]), np.stack([e[1] for e in experts]),
-            np.stack([e[2] for e in experts]))
+    return _Reading(np.stack([e[0] for e in experts]), np.stack([e[1] for e in experts]),
+                    np.stack([e[2] for e in experts]), "per-expert (unrolled)")
 
 
 def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
-    """Every reading of the block's rank-3 [E, ., .] constants as (gate, up, down, description)."""
+    """Every reading of the block's rank-3 [E, ., .] constants as expert weights (``_Reading``):
+    first without biases, then with every fitting choice of the rank-2 [E, N] constants as the
+    gate/up and down biases (gpt-oss's gate_up_proj_bias / down_proj_bias; the probe decides)."""
     stacks = [c for c in consts if c.ndim == 3 and c.shape[0] == e and h in c.shape[1:]]
+    rank2 = [c for c in consts if c.ndim == 2 and c.shape[0] == e]
 
     def as_in_out(c, in_dim):  # candidate [E, in, out] views of c whose input dim is in_dim
         views = []
@@ -519,6 +677,12 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
             views.append((c.transpose(0, 2, 1), "linear"))
         return views
 
+    # (gate, up, down, description, how a [E, 2I] gate_up bias splits into gate and up biases)
+    halves = [(lambda b, i: (b[:, :i], b[:, i:]), "gate first"), (lambda b, i: (b[:, i:], b[:, :i]), "up first")]
+    # gpt-oss interleaves the gate/up columns (gate = [..., ::2], up = [..., 1::2])
+    interleaved = [(lambda b, i: (b[:, 0::2], b[:, 1::2]), "interleaved, gate even"),
+                   (lambda b, i: (b[:, 1::2], b[:, 0::2]), "interleaved, up even")]
+    base = []
     for g, d in itertools.permutations(range(len(stacks)), 2):  # fused gate_up + down
         for gu, gdesc in as_in_out(stacks[g], h):
             if gu.shape[2] % 2:
@@ -527,8 +691,11 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
             for dn, ddesc in as_in_out(stacks[d], i):
                 if dn.shape[2] != h:
                     continue
-                yield gu[..., :i], gu[..., i:], dn, f"stacked gate_up ({gdesc}, gate first)"
-                yield gu[..., i:], gu[..., :i], dn, f"stacked gate_up ({gdesc}, up first)"
+                for split, how in halves + interleaved:
+                    # the weights' columns split like a bias's: apply the same split over [E*H, 2I]
+                    wg, wu = (w.reshape(e, h, i) for w in split(gu.reshape(e * h, 2 * i), i))
+                    base.append((wg, wu, dn, f"stacked gate_up ({gdesc}, {how})",
+                                 lambda b, i=i, split=split: split(b, i) if b.shape[1] == 2 * i else None))
     for gi, ui, di in itertools.permutations(range(len(stacks)), 3):  # separate gate, up, down
         for gg, _ in as_in_out(stacks[gi], h):
             for uu, _ in as_in_out(stacks[ui], h):
@@ -536,24 +703,44 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
                     continue
                 for dn, _ in as_in_out(stacks[di], gg.shape[2]):
                     if dn.shape[2] == h:
-                        yield gg, uu, dn, "stacked gate, up, down"
+                        base.append((gg, uu, dn, "stacked gate, up, down", None))
+    for wg, wu, wd, desc, _ in base:
+        yield _Reading(wg, wu, wd, desc)
+    for wg, wu, wd, desc, split in base:
+        inter = wg.shape[2]
+        gate_up_biases = [None] + [b for b in rank2 if split is not None and b.shape[1] == 2 * inter]
+        down_biases = [None] + [b for b in rank2 if b.shape[1] == h]
+        for bgu, bd in itertools.product(gate_up_biases, down_biases):
+            if bgu is None and bd is None:
+                continue
+            bg, bu = split(bgu) if bgu is not None else (None, None)
+            yield _Reading(wg, wu, wd, desc + " with biases", bg, bu, bd)
 
 
 # ---------------------------------------------------------------------------------------------
 # step 4: probe
 
 
-def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w_gate: np.ndarray,
-              w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math)."""
+def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w: _Reading, act: _Activation = SILU) -> np.ndarray:
+    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math), the
+    reading's optional biases added after each projection, ``act`` between them."""
     x64 = np.asarray(x, np.float64)
     out = np.zeros_like(x64)
-    for e in range(w_gate.shape[0]):
+
+    def bias(b, e):
+        return 0.0 if b is None else b[e].astype(np.float64)
+
+    for e in range(w.w_gate.shape[0]):
         t, j = np.nonzero(ids == e)
         if t.size:
-            g = x64[t] @ w_gate[e].astype(np.float64)
-            u = x64[t] @ w_up[e].astype(np.float64)
-            y = (g / (1 + np.exp(-g)) * u) @ w_down[e].astype(np.float64)
+            g = x64[t] @ w.w_gate[e].astype(np.float64) + bias(w.b_gate, e)
+            u = x64[t] @ w.w_up[e].astype(np.float64) + bias(w.b_up, e)
+            if act.name == "swiglu_oai":
+                g = np.minimum(g, act.limit)
+                h = (np.clip(u, -act.limit, act.limit) + 1) * (g / (1 + np.exp(-act.alpha * g)))
+            else:
+                h = g / (1 + np.exp(-g)) * u
+            y = h @ w.w_down[e].astype(np.float64) + bias(w.b_down, e)
             np.add.at(out, t, np.asarray(wts, np.float64)[t, j, None] * y)
     return out
 
@@ -648,17 +835,59 @@ def _already_fused(topk: ir.Node) -> bool:
     return any(n.domain == DOMAIN and n.op_type == "MoeInitRouting" for n in users)
 
 
+def _hidden_state(x: ir.Value) -> ir.Value:
+    """The tensor the router input ``x`` [T, H] is a Reshape/Flatten of (the [B, S, H] hidden
+    state), looking through Identities and Casts to a float type (DeepSeek-V3's router reads
+    ``hidden.view(-1, H).type(float32)``); ``x`` itself when there is none."""
+    v = x
+    for _ in range(4):
+        p = v.producer()
+        if p is None or p.domain not in ("", "ai.onnx"):
+            break
+        if p.op_type in ("Reshape", "Flatten"):
+            return p.inputs[0]
+        if not (p.op_type == "Identity" or p.op_type == "Cast" and attr_int(p, "to", 0) in _FLOAT_TYPES):
+            break
+        v = p.inputs[0]
+    return x
+
+
 def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
     cands, declined = [], []
-    for n in graph:
-        if n.op_type != "TopK" or n.domain not in ("", "ai.onnx") or (n.name or "").startswith("moe_int8/"):
-            continue  # (our own router of a rewritten com.microsoft MoE is not a candidate)
+    topks = [n for n in graph if n.op_type == "TopK" and n.domain in ("", "ai.onnx")
+             and not (n.name or "").startswith("moe_int8/")]  # (our own router of a rewritten MoE node)
+    # Sigmoid routers first: the TopKs that only narrow their selection (DeepSeek-V3's top-2 per
+    # group, top groups) lie between the Sigmoid and the selection TopK and are parts of the
+    # router, not candidates.
+    sigmoid_routers, router_parts = {}, set()
+    for n in topks:
+        try:
+            found = _sigmoid_router(n)
+        except _Declined as e:
+            found = e
+        if found is not None:
+            sigmoid_routers[n] = found
+            if not isinstance(found, _Declined):
+                router_parts |= _region(n.inputs[0], _descendant_nodes(found[3].outputs))
+    for n in topks:
+        if n in router_parts:
+            continue
         if n.inputs[0].dtype is not None and not n.inputs[0].dtype.is_floating_point():
             continue  # an argsort of expert ids (transformers' grouped form), not a router
         if _already_fused(n):
             continue
+        router_nodes: frozenset[ir.Node] = frozenset()
         try:
-            x, w_router, how = _find_router(n)
+            found = sigmoid_routers.get(n)
+            if isinstance(found, _Declined):
+                raise found
+            if found is not None:
+                x, w_router, gather, sig = found
+                groups = sum(1 for p in _region(n.inputs[0], _descendant_nodes(sig.outputs)) if p.op_type == "TopK")
+                how = "sigmoid -> " + ("group-limited " if groups else "") + "topk -> gather"
+                router_nodes = frozenset({sig})
+            else:
+                x, w_router, how = _find_router(n)
         except _Declined as e:
             # A TopK over something else (e.g. a sort inside the block) is not a router: only
             # report it when it looks like one (float scores from a projection).
@@ -668,22 +897,39 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
         if k is None or k.size != 1:
             declined.append(Decline(n.name, "top-k count is not a constant"))
             continue
-        if _attr_int(n, "largest", 1) != 1 or not _is_last_axis(n):
+        if attr_int(n, "largest", 1) != 1 or not _is_last_axis(n):
             declined.append(Decline(n.name, "TopK is not the k largest over the expert axis"))
             continue
-        softmax_first = how.startswith("softmax")
-        weights, routing = _follow_weights(n.outputs[0], softmax_first)
-        if not softmax_first and "softmax" not in routing:
-            declined.append(Decline(n.name, "routing weights are raw top-k logits (no Softmax): not a softmax router"))
-            continue
-        hidden = x
-        p = x.producer()
-        if p is not None and p.op_type in ("Reshape", "Flatten"):
-            hidden = p.inputs[0]
+        if router_nodes:  # the weights are the gathered sigmoid scores, as the graph goes on to use them
+            weights, routing = _follow_weights(gather.outputs[0], how)
+        else:
+            weights, routing = _follow_weights(n.outputs[0], how)
+            if not how.startswith("softmax") and "softmax" not in routing:
+                declined.append(Decline(n.name, "routing weights are raw top-k logits (no Softmax or sigmoid "
+                                        "gather): not a recognized router"))
+                continue
+        hidden = _hidden_state(x)
         outs = [pd.outputs[0] for pd in _post_dominators(graph, n) if len(pd.outputs) == 1]
         cands.append(_Candidate(n, x, hidden, w_router.shape[1], int(k.reshape(-1)[0]),
-                                n.outputs[1], weights, routing, outs))
+                                n.outputs[1], weights, routing, outs, router_nodes))
     return cands, declined
+
+
+# Each reading is first compared on this many tokens of the first probe: a wrong reading (of the
+# dozens the bias and column-order choices make) is off by O(1) on any token, so most are
+# rejected at this cost instead of a float64 MoE over every probe token.
+PROBE_SCREEN_TOKENS = 4
+
+
+def _screen(pr: dict, out: ir.Value, cand: _Candidate, reading: _Reading, act: _Activation) -> bool:
+    """False when ``reading`` already fails on the first PROBE_SCREEN_TOKENS tokens of probe ``pr``
+    (True when that cannot be told here: the full comparison decides)."""
+    got, x = pr.get(out.name), pr[cand.x.name]
+    if got is None or got.size != x.size:
+        return True
+    t = PROBE_SCREEN_TOKENS
+    want = moe_float(x[:t], pr[cand.ids.name][:t], pr[cand.weights.name][:t], reading, act)
+    return _matches(got.reshape(x.shape)[:t], want, x.dtype)
 
 
 def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
@@ -694,16 +940,23 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                         "are fused (the INT8 ops take float32/float16 activations)")
     h = x0.shape[1]
     within = _descendant_nodes([cand.hidden])
-    last_error = "no post-dominator of the router has the block output's shape"
+    # The reason reported is that of the candidate output that got furthest: a region that reads a
+    # non-constant (one reaching past the block, e.g. through the residual Add) says less than an
+    # inner region whose experts' structure or probe failed. Equal stages: the last one's.
+    last_error, last_stage = "no post-dominator of the router has the block output's shape", -1
     for out in cand.outs:
         region = _region(out, within)
         if cand.topk not in region:
             continue
+        stage = 0
         try:
             _check_region(region, {cand.hidden, cand.x})
-            products = _gated_products(model.graph, region)
+            stage = 1
+            products = _gated_products(model.graph, region, cand.router_nodes)
             if not products:
-                raise _Declined("no SiLU-gated expert MLP (x * Sigmoid(x) * up) between router and output")
+                raise _Declined("no gated expert MLP (SiLU x * Sigmoid(x) * up, or gpt-oss's clamped SwiGLU) "
+                                "between router and output")
+            act = products[0][3]
             consts = _weight_constants(region, h)
             if len(products) == 1:
                 interps = list(_stacked_interpretations(consts, e, h))
@@ -711,17 +964,20 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                 if not interps:
                     raise _Declined(f"no constant [E={e}, ., .] expert weights hold the H={h} dim")
             elif len(products) == e:
-                interps = [(*_unrolled_weights(products, h), "per-expert (unrolled)")]
+                interps = [_unrolled_weights(products, h)]
                 form = "unrolled"
             else:
                 raise _Declined(f"the graph computes {len(products)} of {e} experts: a trace specialized to "
                                 "its example input (the experts it hit), wrong for other inputs")
         except _Declined as err:
-            last_error = str(err)
+            if stage >= last_stage:
+                last_error, last_stage = str(err), stage
             continue
         # Step 4: the probe decides which reading (if any) the graph computes.
         shape_ok = False
-        for wg, wu, wd, desc in interps:
+        for reading in interps:
+            if not _screen(probes[0], out, cand, reading, act):
+                continue
             ok = True
             for pr in probes:
                 got = pr.get(out.name)
@@ -733,17 +989,18 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
                     ok = False
                     break
                 shape_ok = True
-                if not _matches(got, moe_float(x, ids, wts, wg, wu, wd), x.dtype):
+                if not _matches(got, moe_float(x, ids, wts, reading, act), x.dtype):
                     ok = False
                     break
             if ok:
                 reshape = pr[out.name].ndim != 2
                 if reshape and tuple(pr[out.name].shape) != tuple(pr[cand.hidden.name].shape):
                     raise _Declined("the block output's shape is neither [T, H] nor the hidden state's")
-                return _Block(cand, out, wg, wu, wd, f"{form}: {desc}", reshape)
+                return _Block(cand, out, reading, act, f"{form}: {reading.desc}", reshape)
         if shape_ok:
-            last_error = ("the block output does not equal a SiLU-gated MoE of its constant weights "
-                          "under the graph's routing on probe inputs")
+            last_stage = 2
+            last_error = (f"the block output does not equal a {act.name}-gated MoE of its constant weights "
+                          "(with or without biases) under the graph's routing on probe inputs")
     raise _Declined(last_error)
 
 
@@ -813,12 +1070,16 @@ def _down_weight(dn_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict
 
 def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
                     w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                    weight_layout: str = "EKN") -> tuple[list[ir.Node], ir.Value, int]:
+                    weight_layout: str = "EKN", *, b_gate: np.ndarray | None = None,
+                    b_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
+                    act: _Activation = SILU) -> tuple[list[ir.Node], ir.Value, int]:
     """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
     gate/up [E, H, I], down [E, I, H]; ``weight_layout`` "EKN", "ENK" (the gate/up weight then
     stored [E, 2I, H]) or "EN16K4" (both weights as AMX B tiles, ``_swiglu_weight`` /
-    ``_down_weight``). Returns (nodes, out [T, H] float32, bytes of
-    the INT8 weights and scales). Nodes are not yet inserted."""
+    ``_down_weight``). Optional biases gate/up [E, I] (both or neither) and down [E, H] become the
+    GEMMs' float32 bias inputs ([E, 2I] as [gate | up], like the weight's columns); ``act`` sets
+    GroupedMatmulSwigluQuant's activation attributes. Returns (nodes, out [T, H] float32, bytes of
+    the INT8 weights, scales and biases). Nodes are not yet inserted."""
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     e = w_gate.shape[0]
@@ -830,6 +1091,14 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
              _initializer(graph, f"{prefix}/gate_up_scale", gu_s),
              _initializer(graph, f"{prefix}/down_int8", dn_q),
              _initializer(graph, f"{prefix}/down_scale", dn_s)]
+    nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
+    gu_bias = dn_bias = None
+    if b_gate is not None:
+        arr = np.concatenate([b_gate, b_up], axis=1).astype(np.float32)
+        gu_bias, nbytes = _initializer(graph, f"{prefix}/gate_up_bias", arr), nbytes + arr.nbytes
+    if b_down is not None:
+        arr = np.asarray(b_down, np.float32)
+        dn_bias, nbytes = _initializer(graph, f"{prefix}/down_bias", arr), nbytes + arr.nbytes
     nodes = []
 
     def add(op, inputs, num_outputs=1, domain=DOMAIN, tag="", **attrs):
@@ -847,12 +1116,13 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     # their scales (the same codes as quantizing each gathered copy, K times fewer rows to quantize).
     tq, ts = add("DynamicQuant", [x], 2)
     xq, s2f, groups, xs = add("MoeInitRouting", [tq, ids32, ts], 4, num_experts=e)
-    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
-    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
+    hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups]
+                    + ([gu_bias] if gu_bias is not None else []), 3, **gu_attrs, **act.attrs())
+    y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups]
+            + ([dn_bias] if dn_bias is not None else []), **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
     if x.dtype == ir.DataType.FLOAT16:  # MoeFinalizeRouting's output is float32 by contract
         out = add("Cast", [out], domain="", tag="_out", to=int(ir.DataType.FLOAT16))[0]
-    nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     return nodes, out, nbytes
 
 
@@ -869,8 +1139,10 @@ def _replace_block(model: ir.Model, block: _Block, weight_layout: str = "EKN") -
     graph = model.graph
     cand = block.cand
     prefix = f"moe_int8/{cand.topk.name or 'block'}"
-    nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights,
-                                         block.w_gate, block.w_up, block.w_down, weight_layout)
+    w = block.w
+    nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights, w.w_gate, w.w_up,
+                                         w.w_down, weight_layout, b_gate=w.b_gate, b_up=w.b_up, b_down=w.b_down,
+                                         act=block.act)
     if block.reshape_to_hidden:
         shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
         rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
@@ -890,9 +1162,9 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
         return None
     if n.op_type == "MatMul":
         w = _const(n.inputs[1])
-    elif n.op_type == "Gemm" and not _attr_int(n, "transA", 0) and (len(n.inputs) < 3 or n.inputs[2] is None):
+    elif n.op_type == "Gemm" and not attr_int(n, "transA", 0) and (len(n.inputs) < 3 or n.inputs[2] is None):
         w = _const(n.inputs[1])
-        if w is not None and _attr_int(n, "transB", 0):
+        if w is not None and attr_int(n, "transB", 0):
             w = w.T
         if n.attributes.get("alpha") is not None and n.attributes["alpha"].as_float() != 1.0:
             return None
@@ -904,7 +1176,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN", proven_2d: Iterable[tuple] = ()) -> dict | None:
+                        weight_layout: str = "EKN", proven: Iterable[tuple] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -915,18 +1187,26 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     Measured on the Qwen2-MoE fixture: logits rel. L2 vs torch 0.0053 -> 0.0085, shared weights
     98304 -> 25600 bytes.
 
-    The routed output may reach the Add through a Cast to a float type (the exporters' trace of
-    ``routed.to(dtype)``). The MLP's input qualifies when the graph says it is float [T, H], or
-    when it is one of ``proven_2d`` ((value, dtype) pairs): the router's input or the hidden state
-    it reshapes, which the probe runs showed to be [T, H] (the legacy exporter records no shapes).
+    The routed output may reach the Add through Casts to a float type (the exporters' trace of
+    ``routed.to(dtype)``) and the graph's Reshape of it back to [B, S, H] (DeepSeek-V3's
+    ``.view(*orig_shape)``). The MLP's input qualifies when the graph says it is float [T, H], or
+    when it is one of ``proven`` ((value, dtype, rank) triples): the router's input or the hidden
+    state it reshapes, whose dtype and rank the probe runs showed (the legacy exporter records no
+    shapes). An MLP over the [B, S, H] hidden state (DeepSeek-V3's ``shared_experts(residuals)``)
+    runs on its Reshape to [B*S, H] and gets its output back in the input's shape.
     A float16 MLP gets its float16 output back through a Cast (GroupedMatmulDequant gives float32)."""
-    proven_2d = list(proven_2d)
+    proven = list(proven)
     adds = []  # (consumer, the routed value it reads)
-    for n in _consumers(routed_out):
-        if n.op_type == "Cast" and _attr_int(n, "to", 0) in _FLOAT_TYPES:
-            adds += [(c, n.outputs[0]) for c in _consumers(n.outputs[0])]
-        else:
-            adds.append((n, routed_out))
+    frontier = [routed_out]
+    for _ in range(3):
+        nxt = []
+        for v in frontier:
+            for n in _consumers(v):
+                if n.op_type == "Cast" and attr_int(n, "to", 0) in _FLOAT_TYPES or n.op_type == "Reshape":
+                    nxt.append(n.outputs[0])
+                else:
+                    adds.append((n, v))
+        frontier = nxt
     for add, routed in adds:
         if add.op_type != "Add" or len(add.inputs) != 2:
             continue
@@ -961,18 +1241,18 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
                 continue
             x, wg = gp
             wu = up[1]
-            proven = next((dt for v, dt in proven_2d if v is x), None)
-            if proven is None and x.shape is not None and len(x.shape) == 2:
-                proven = x.dtype
-            if proven not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
+            x_dtype, rank = next(((dt, r) for v, dt, r in proven if v is x), (None, None))
+            if x_dtype is None and x.shape is not None and len(x.shape) >= 2:
+                x_dtype, rank = x.dtype, len(x.shape)
+            if x_dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
                     wd.shape != (wg.shape[1], wg.shape[0]):
                 continue
-            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, proven)
+            return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, x_dtype, rank)
     return None
 
 
 def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
-                 x_dtype=ir.DataType.FLOAT) -> dict:
+                 x_dtype=ir.DataType.FLOAT, rank: int = 2) -> dict:
     from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
@@ -984,18 +1264,27 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
     nodes = []
 
     def add(op, inputs, num_outputs=1, domain=DOMAIN, **attrs):
-        n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs, name=f"{prefix}/{op}")
+        # The first node of each op type keeps the plain name; the reshapes of a rank-3 MLP's input
+        # and output repeat Reshape and Shape, so later ones get a suffix.
+        name = f"{prefix}/{op}" + "".join(f"_{k}" for k in [sum(m.op_type == op for m in nodes)] if k)
+        n = ir.node(op, inputs, attrs or None, domain=domain, num_outputs=num_outputs, name=name)
         for j, o in enumerate(n.outputs):
-            o.name = f"{prefix}/{op}_{j}"
+            o.name = f"{name}_{j}"
         nodes.append(n)
         return n.outputs
 
+    x_in = x
+    if rank != 2:  # [..., H] -> [T, H]: the GEMM ops take rows
+        x = add("Reshape", [x, _initializer(graph, f"{prefix}/shape_TH", np.array([-1, wg.shape[0]], np.int64))],
+                domain="")[0]
     groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
     xq, xs = add("DynamicQuant", [x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
     if x_dtype == ir.DataType.FLOAT16:  # GroupedMatmulDequant's output is float32 by contract
         y = add("Cast", [y], domain="", to=int(ir.DataType.FLOAT16))[0]
+    if rank != 2:  # the MLP's output has its input's shape (the down projection maps I back to H)
+        y = add("Reshape", [y, add("Shape", [x_in], domain="")[0]], domain="")[0]
     graph.insert_after(mlp_out.producer(), nodes)
     _replace_value(mlp_out, y)
     return {"intermediate": wg.shape[1], "weight_bytes_before": wg.nbytes + wu.nbytes + wd.nbytes,
@@ -1046,19 +1335,22 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     else:
         fc1, fc1_b, fc2, fc2_b, fc3, fc3_b = ins[2:8]
     if any(b is not None for b in (fc1_b, fc2_b, fc3_b)):
-        raise _Declined("expert biases are not expressible in the INT8 chain")
+        # The chain takes biases (gpt-oss's, proved by the probe in the torch forms); for these
+        # nodes their layout against ORT's kernels is not verified.
+        raise _Declined("expert biases of a com.microsoft MoE/QMoE node are not handled (their layout "
+                        "against ORT's kernels is not verified)")
     act = a["activation_type"].as_string() if "activation_type" in a else "relu"
-    if _attr_int(node, "use_sparse_mixer", 0):
+    if attr_int(node, "use_sparse_mixer", 0):
         raise _Declined("use_sparse_mixer routing is not expressible")
-    if qmoe and not _attr_int(node, "normalize_routing_weights", 0):
+    if qmoe and not attr_int(node, "normalize_routing_weights", 0):
         # The contrib spec says the top-k weights are then left unnormalized, but ORT 1.31's CPU
         # QMoE renormalizes them anyway (its MoE does not): which one the model means is unknown.
         raise _Declined("QMoE with normalize_routing_weights=0 is ambiguous (ORT's CPU QMoE "
                         "renormalizes regardless)")
-    if qmoe and _attr_int(node, "block_size", 0) > 0:
+    if qmoe and attr_int(node, "block_size", 0) > 0:
         raise _Declined("block-wise QMoE scales are not handled")
-    fusion = _attr_int(node, "swiglu_fusion", 0)
-    bits = _attr_int(node, "expert_weight_bits", 4)
+    fusion = attr_int(node, "swiglu_fusion", 0)
+    bits = attr_int(node, "expert_weight_bits", 4)
 
     def weights(v, s):
         if v is None:
@@ -1079,7 +1371,8 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         beta = a["activation_beta"].as_float() if "activation_beta" in a else 0.0
         limit = a["swiglu_limit"].as_float() if "swiglu_limit" in a else float("inf")
         if alpha != 1.0 or beta != 0.0 or np.isfinite(limit):
-            raise _Declined(f"swiglu with alpha {alpha}, beta {beta}, limit {limit} is not SiLU(gate) * up")
+            raise _Declined(f"swiglu with alpha {alpha}, beta {beta}, limit {limit} in a com.microsoft node is not "
+                            "handled (only alpha 1, beta 0, no limit: SiLU(gate) * up)")
         gate, up, desc = w1[:, 0::2], w1[:, 1::2], "swiglu interleaved"
     elif act == "swiglu":
         raise _Declined(f"swiglu_fusion={fusion}{' with fc3' if fc3 is not None else ''}: layout not verified")
@@ -1101,7 +1394,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
     gate, up, down, wdesc = _contrib_weights(node)
     e, inter, h = gate.shape
     bytes_before = sum(int(_const(v).nbytes) for v in list(node.inputs)[2:] if v is not None)
-    k = _attr_int(node, "k", 1)
+    k = attr_int(node, "k", 1)
     graph = model.graph
     prefix = f"moe_int8/{where}"
     pre: list[ir.Node] = []
@@ -1120,7 +1413,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
     vals, ids = add("TopK", [probs, _initializer(graph, f"{prefix}/k", np.array([k], np.int64))], 2,
                     axis=-1, largest=1, sorted=1)
     wts = vals
-    if _attr_int(node, "normalize_routing_weights", 0):
+    if attr_int(node, "normalize_routing_weights", 0):
         s = add("ReduceSum", [vals, _initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
         wts = add("Div", [vals, s])[0]
     nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, gate.transpose(0, 2, 1),
@@ -1135,7 +1428,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
     graph.insert_after(node, nodes)
     _replace_value(node.outputs[0], out)
     return {"where": where, "form": f"com.microsoft {node.op_type} ({wdesc})", "experts": e, "top_k": k,
-            "intermediate": inter, "routing": "softmax -> topk" + (" -> renormalize" if _attr_int(
+            "intermediate": inter, "routing": "softmax -> topk" + (" -> renormalize" if attr_int(
                 node, "normalize_routing_weights", 0) else ""),
             "weight_bytes_before": bytes_before, "weight_bytes_after": nbytes}
 
@@ -1213,13 +1506,20 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
             result.fused += 1
             info = {
                 "where": b.cand.topk.name, "form": b.form, "experts": b.cand.num_experts,
-                "top_k": b.cand.k, "intermediate": b.w_gate.shape[2], "routing": b.cand.routing,
-                "weight_bytes_before": b.w_gate.nbytes + b.w_up.nbytes + b.w_down.nbytes,
+                "top_k": b.cand.k, "intermediate": b.w.w_gate.shape[2], "routing": b.cand.routing,
+                "activation": b.act.name if b.act.name == "swiglu" else
+                f"{b.act.name} (alpha {b.act.alpha:g}, limit {b.act.limit:g})",
+                "weight_bytes_before": sum(a.nbytes for a in (b.w.w_gate, b.w.w_up, b.w.w_down, b.w.b_gate,
+                                                              b.w.b_up, b.w.b_down) if a is not None),
                 "weight_bytes_after": nbytes}
-            proven_2d = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype)) for v in (b.cand.x, b.cand.hidden)
-                         if all(p[v.name].ndim == 2 for p in probes)]
+            # The router's input and the hidden state it reshapes: dtype and rank as the probes saw them
+            # (the same rank on every probe, the last dim H).
+            proven = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype), probes[0][v.name].ndim)
+                      for v in (b.cand.x, b.cand.hidden)
+                      if len({p[v.name].ndim for p in probes}) == 1 and probes[0][v.name].ndim >= 2
+                      and all(p[v.name].shape[-1] == b.w.w_gate.shape[1] for p in probes)]
             shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
-                                          proven_2d=proven_2d) if shared_int8 else None)
+                                          proven=proven) if shared_int8 else None)
             if shared:
                 info["shared_expert"] = shared
                 info["weight_bytes_before"] += shared["weight_bytes_before"]
