@@ -149,8 +149,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                       "overhead, which dominates tiny models"}
     if meta:
         per_tok = sum(h * d * 2 + h * 2 * 4 for h, d in meta["layer_dims"])  # int8 K, V + 2 fp32 scales
-        report["kv_bytes_per_token"] = {"int8_paged": per_tok,
-                                        "fp32": sum(h * d * 2 * 4 for h, d in meta["layer_dims"])}
+        dtype = _past_dtype(args.original)
+        report["kv_bytes_per_token"] = {"int8_paged": per_tok, "original_dtype": dtype.name,
+                                        "original": sum(h * d * 2 * dtype.itemsize for h, d in meta["layer_dims"])}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -163,8 +164,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(f"  rewritten / original speed: {report['speedup']:.2f}x")
     if meta:
         kv = report["kv_bytes_per_token"]
-        print(f"  KV cache per token: {kv['int8_paged']} B (INT8 + scales) vs {kv['fp32']} B (fp32)")
+        print(f"  KV cache per token: {kv['int8_paged']} B (INT8 + scales) vs {kv['original']} B "
+              f"({kv['original_dtype']}, the original's)")
     return 0
+
+
+def _past_dtype(path: str):
+    """The numpy dtype of the original's past K/V inputs (its cache), else of its logits."""
+    import numpy as np
+    import onnx
+    from onnx import helper
+
+    m = onnx.load(path, load_external_data=False)
+    past = [i for i in m.graph.input if i.name.startswith("past")]
+    typed = past[0] if past else m.graph.output[0]
+    return np.dtype(helper.tensor_dtype_to_np_dtype(typed.type.tensor_type.elem_type))
 
 
 def _device_flag(p: argparse.ArgumentParser) -> None:

@@ -94,4 +94,5 @@ def test_bench_reports_both_models(tmp_path, capsys):
                  "--prompt-len", "8", "--batch", "2"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["original"]["new_tokens"] == r["rewritten"]["new_tokens"] == 8
-    assert r["speedup"] > 0 and r["kv_bytes_per_token"]["int8_paged"] < r["kv_bytes_per_token"]["fp32"]
+    assert r["speedup"] > 0 and r["kv_bytes_per_token"]["int8_paged"] < r["kv_bytes_per_token"]["original"]
+    assert r["kv_bytes_per_token"]["original_dtype"] == "float32"
