@@ -38,8 +38,10 @@ added to a fused block's output runs as one always-on INT8 expert (``_fuse_share
 DeepSeek-V3's n_shared_experts are one MLP of their summed width, over the [B, S, H] hidden state).
 
 float16 blocks run the chain on float16 activations (the ops take them) with one Cast of the
-float32 output back to float16; bfloat16 ones are not fused (the probe runs on ORT's CPU
-provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
+float32 output back to float16. bfloat16 blocks run it on float32: a Cast of the hidden state to
+float32 in front (exact), one of the output back to bfloat16, the expert weights quantized from
+their bfloat16 values as float32; the probe runs the model's float32 twin
+(``_graph.float32_twin``), since ORT's CPU provider has no bfloat16 Mul/MatMul. The router is found through Casts (to a float type)
 and Identities between its GEMM, its Softmax and the TopK.
 
 Routers kept as the graph computes them: softmax over a linear projection then TopK (Mixtral,

@@ -25,6 +25,9 @@ Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py
 Positions a KV-cache graph computes from the cache length (no position_ids input) are replaced
 by the paged ``position_ids`` (``_positions_from_cache_length``). Graphs that onnxruntime runs on
 batches of one only are probed on one left-padded row. float16 graphs run the ops in float16.
+bfloat16 graphs are probed as their float32 twin (``_graph.float32_twin``: ORT's CPU provider has
+no bfloat16 Mul/MatMul) and run the ops on float32: Casts of query, key and value to float32
+(exact) in front, one of the output back to bfloat16.
 
 What a match checks: softmax over the key axis, a mask that is causal (and key-padding), limited
 or not to the last W positions -- decided by running the original graph on a left-padded probe
