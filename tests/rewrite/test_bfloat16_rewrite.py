@@ -6,8 +6,9 @@ bfloat16 graph as it is on the CPU: the probes run its float32 twin (``_graph.fl
 the numbers here compare the float32 twin of the rewritten model with the float32 twin of the
 original, under the same budgets as the fp32 fixtures. The twin itself is checked against an
 independent computation: the fp32 export of the same torch model, its weights rounded to bfloat16.
-The bfloat16 models as they are (bfloat16 activations between the ops' float32 Casts) run on the
-CUDA provider in the test marked ``cuda``.
+The bfloat16 graphs as they are (bfloat16 activations between the ops' float32 Casts) run on
+onnx's ReferenceEvaluator (numpy; our ops by their references) and, in the test marked ``cuda``,
+on onnxruntime's CUDA provider.
 """
 
 from __future__ import annotations
@@ -194,6 +195,90 @@ def test_moe_twin_logits_and_greedy_agreement(rng, tmp_path):
     print(f"teacher-forced agreement {tf['agreement']:.3f} over {tf['positions']}")
     assert tf["stop_decisions_match"], tf["per_prompt"]
     assert tf["agreement"] >= MOE_REWRITE_GREEDY_AGREEMENT
+
+
+# --- the bfloat16 graphs themselves, on onnx's ReferenceEvaluator (numpy, bfloat16 included) ------
+#
+# The twins above cannot show that the Casts the rewrite puts around the ops are right in the
+# bfloat16 graph itself; onnx's ReferenceEvaluator runs bfloat16 Mul/MatMul (as ml_dtypes arrays),
+# so the original and the rewritten bfloat16 graphs run here as they are, our ops by their numpy
+# references (the schema's input names mapping the node's inputs onto the reference's arguments).
+
+
+def _reference_ops(modules: list[str]) -> list[type]:
+    """OpRun classes running ``ort_ops.ops.<module>.reference`` for each op module named."""
+    import importlib
+
+    from onnx.reference.op_run import OpRun
+
+    from ort_ops._domain import DOMAIN
+
+    classes = []
+    for name in modules:
+        mod = importlib.import_module(f"ort_ops.ops.{name}")
+
+        def _run(self, *inputs, _mod=mod):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in self.onnx_node.attribute}
+            attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+            out = _mod.reference(**dict(zip(_mod.SCHEMA.input_names(), inputs)), **attrs)
+            return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+        # run: the attributes go to the reference as they are (no OpRun attribute plumbing)
+        classes.append(type(mod.SCHEMA.name, (OpRun,), {"op_domain": DOMAIN, "_run": _run,
+                                                         "run": lambda self, *a, **k: self._run(*a)}))
+    return classes
+
+
+def test_moe_bfloat16_graphs_on_reference_evaluator():
+    """The rewritten bfloat16 graph (bfloat16 hidden state -> Cast -> INT8 chain -> Cast back)
+    against the original bfloat16 graph, both as they are: the INT8 logits budget."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = ir.load(str(MOE))
+    fuse_moe(model)
+    ops = _reference_ops(["dynamic_quant", "moe_init_routing", "grouped_matmul_swiglu_quant",
+                          "grouped_matmul_dequant", "moe_finalize_routing"])
+    ids = np.load(MOE.with_suffix(".npz"))["input_ids"]
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    got = ReferenceEvaluator(ir.to_proto(model), new_ops=ops).run(None, feeds)[0]
+    want = ReferenceEvaluator(onnx.load(str(MOE))).run(None, feeds)[0]
+    assert got.dtype == want.dtype == ir.DataType.BFLOAT16.numpy()
+    got, want = got.astype(np.float32)[0], want.astype(np.float32)[0]
+    assert np.all(np.isfinite(got))
+    err = ml.relative_l2(got, want)
+    print(f"bfloat16 graphs: logits relative L2, rewritten vs original {err:.4f}")
+    assert err <= MOE_REWRITE_LOGITS_REL_L2
+
+
+def test_attention_bfloat16_graphs_on_reference_evaluator():
+    """The paged bfloat16 graph (Q.K and P.V unquantized: K/V INT8 is the change) under the
+    contract's attention (test_attention_variants_rewrite's evaluator), three prompts packed in one
+    prefill, against the original bfloat16 graph on each prompt: the logits budget."""
+    from onnx.reference import ReferenceEvaluator
+
+    from ort_ops.verify import make_prompts
+    from tests.rewrite.test_attention_variants_rewrite import _paged_prefill_logits
+
+    model, _ = rewrite_model(str(ATTENTION), qk_quant="none", pv_quant="none", moe=False)
+    prompts = make_prompts(128, lengths=(5, 11, 17), seed=7)
+    got = _paged_prefill_logits(ir.to_proto(model), prompts)
+    assert got.dtype == ir.DataType.BFLOAT16.numpy()
+    original = onnx.load(str(ATTENTION))
+    evaluator = ReferenceEvaluator(original)
+    want = []
+    for p in prompts:
+        ids = np.array([p], np.int64)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(len(p))[None]}
+        for i in original.graph.input:
+            if "past" in i.name:  # an empty bfloat16 cache [1, Hkv, 0, D]
+                dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
+                feeds[i.name] = np.zeros((1, dims[1], 0, dims[3]), ir.DataType.BFLOAT16.numpy())
+        want.append(evaluator.run(["logits"], feeds)[0][0, -1].astype(np.float32))
+    got = got.astype(np.float32)
+    assert np.all(np.isfinite(got))
+    err = np.abs(got - np.stack(want)).max()
+    print(f"bfloat16 graphs: last-token logits max abs err, rewritten vs original {err:.4f}")
+    assert err <= ATTN_REWRITE_LOGITS_ATOL
 
 
 @pytest.mark.cuda
