@@ -27,9 +27,14 @@ from ort_ops.rewrite._graph import float32_io, float32_twin, has_bfloat16
 from ort_ops.rewrite.moe import fuse_moe
 from ort_ops.runtime import DenseRunner
 from ort_ops.verify import teacher_forced_agreement, verify
-from tests.tolerances import (ATTN_REWRITE_GREEDY_AGREEMENT, ATTN_REWRITE_LOGITS_ATOL,
-                              BF16_TWIN_VS_ROUNDED_FP32_REL_L2, MOE_REWRITE_GREEDY_AGREEMENT,
-                              MOE_REWRITE_LOGITS_REL_L2, MOE_REWRITE_STOP_TIE_MARGIN)
+from tests.tolerances import (
+    ATTN_REWRITE_GREEDY_AGREEMENT,
+    ATTN_REWRITE_LOGITS_ATOL,
+    BF16_TWIN_VS_ROUNDED_FP32_REL_L2,
+    MOE_REWRITE_GREEDY_AGREEMENT,
+    MOE_REWRITE_LOGITS_REL_L2,
+    MOE_REWRITE_STOP_TIE_MARGIN,
+)
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 ATTENTION = FIXTURES / "attention" / "dynamo_sdpa_kv_bf16.onnx"
