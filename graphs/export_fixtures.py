@@ -39,8 +39,8 @@ Forms (name: exporter, what the attention looks like):
                       do_rotary with per-token cos/sin caches, the mask as attention_bias),
                       present outputs cache.layers.{i}.keys/values
     dynamo_sdpa_kv_fp16  dynamo_sdpa_kv with the model in float16 (weights, activations, past).
-    dynamo_sdpa_kv_bf16  the same in bfloat16: declined (onnxruntime's CPU provider has no
-                      bfloat16 Mul/MatMul, so neither the original nor a rewrite of it runs here).
+    dynamo_sdpa_kv_bf16  the same in bfloat16 (onnxruntime's CPU provider has no bfloat16
+                      Mul/MatMul: the rewrite probes its float32 twin, the CPU tests run the twins).
 
 Each model's ``metadata_props`` records the form and the generator.
 """

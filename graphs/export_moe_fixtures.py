@@ -29,9 +29,9 @@ Forms (what the MoE fusion must handle; see ``ort_ops/rewrite/moe.py``):
   mixtral_dynamo_batched_fp16, qwen2moe_dynamo_shared_fp16
                            the dynamo forms above with the model in float16 (weights and
                            activations; the .npz logits are the float16 torch model's).
-  mixtral_dynamo_batched_bf16  the same in bfloat16, which the fusion declines: onnxruntime's
-                           CPU provider has no bfloat16 Mul/MatMul, so neither the original nor
-                           its rewrite runs here.
+  mixtral_dynamo_batched_bf16  the same in bfloat16 (the .npz logits are the bfloat16 torch
+                           model's). onnxruntime's CPU provider has no bfloat16 Mul/MatMul: the
+                           fusion probes its float32 twin, and the CPU tests run the twins.
   mixtral_legacy_eager     the legacy exporter tracing the default eager experts: the Python
                            loop over the experts hit by the example input is unrolled, so the
                            graph is wrong for other inputs. The fusion must refuse it.

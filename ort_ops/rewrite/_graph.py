@@ -383,3 +383,106 @@ def onnx_dtype_to_np(elem_type: int):
     from onnx import helper
 
     return helper.tensor_dtype_to_np_dtype(elem_type)
+
+
+# --- bfloat16 models -----------------------------------------------------------------------------
+# onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so a bfloat16 model cannot be probed as it
+# is. Its float32 twin can: the same graph with every bfloat16 tensor, value and cast target
+# retyped to float32. The twin computes what the bfloat16 graph computes without rounding its
+# intermediates to 8 significant bits, so whatever a probe reads from it that does not depend on
+# that rounding (mask structure, shapes, which constants are which weights) is the bfloat16 model's.
+
+# Integer attributes that name an element type (Cast's target, the dtype of EyeLike/Random*).
+_DTYPE_ATTRS = ("to", "dtype")
+
+
+def named_values(graph: ir.Graph) -> list[ir.Value]:
+    """The graph's inputs, initializers and node outputs (its outputs are among them)."""
+    return [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs if o is not None)]
+
+
+def has_bfloat16(model: ir.Model) -> bool:
+    """True when any input, output, initializer or node output of the main graph is bfloat16."""
+    return any(v.dtype == ir.DataType.BFLOAT16 for v in named_values(model.graph))
+
+
+def same_values(model: ir.Model, values: Iterable[ir.Value]) -> list[ir.Value]:
+    """The values of ``model`` named as ``values`` (of another copy of it, e.g. its float32 twin)."""
+    by_name = {v.name: v for v in named_values(model.graph)}
+    return [by_name[v.name] for v in values]
+
+
+def _subgraphs(graph: ir.Graph) -> list[ir.Graph]:
+    """``graph`` and every graph nested in its nodes' attributes (If/Loop/Scan bodies), depth first."""
+    out = [graph]
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                out += _subgraphs(attr.value)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    out += _subgraphs(sub)
+    return out
+
+
+def float32_twin(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` computing in float32 what it computes in bfloat16: every bfloat16
+    initializer converted (exactly: each bfloat16 value is a float32 value), every bfloat16 value's
+    type (inputs, outputs, node outputs, subgraphs included), every ``Cast``/``dtype`` target and
+    every bfloat16 tensor attribute (``Constant``, ``ConstantOfShape``) made float32. Names are
+    kept, so a value of the twin answers for the value of the same name in ``model``. ``model`` is
+    unchanged; the twin holds float32 copies of the converted initializers (twice their bytes)."""
+    bf16, f32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    twin = model.clone()
+    for graph in _subgraphs(twin.graph):
+        for v in graph.initializers.values():
+            if v.dtype == bf16 and v.const_value is not None:
+                v.const_value = ir.tensor(v.const_value.numpy().astype(np.float32), name=v.name)
+        values = [*graph.inputs, *graph.outputs, *graph.initializers.values()]
+        values += [o for n in graph for o in n.outputs if o is not None]
+        for v in values:
+            if v.dtype == bf16:  # a new type: the clone shares the type objects with ``model``
+                v.type = ir.TensorType(f32)
+        for node in graph:
+            for name, attr in list(node.attributes.items()):
+                if name in _DTYPE_ATTRS and attr.type == ir.AttributeType.INT and attr.value == bf16:
+                    node.attributes[name] = ir.AttrInt64(name, int(f32))
+                elif attr.type == ir.AttributeType.TENSOR and attr.value.dtype == bf16:
+                    arr = attr.value.numpy().astype(np.float32)
+                    node.attributes[name] = ir.AttrTensor(name, ir.tensor(arr, name=attr.value.name))
+    return twin
+
+
+def float32_io(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` whose bfloat16 inputs and outputs are float32 at the interface: a Cast
+    to bfloat16 after each such input and a Cast to float32 before each such output, the
+    computation inside unchanged. onnxruntime's Python API neither feeds nor returns bfloat16
+    numpy arrays, so a bfloat16 model runs through the runtime (and ``ort-ops verify``) this way;
+    float32 -> bfloat16 -> float32 round-trips the values the model exchanges exactly."""
+    bf16, f32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    wrapped = model.clone()
+    graph = wrapped.graph
+    front = []
+    for i, v in enumerate(list(graph.inputs)):
+        if v.dtype != bf16 or v.is_initializer():
+            continue
+        outer = ir.Value(name=v.name, type=ir.TensorType(f32), shape=v.shape)
+        v.name = f"{v.name}/bfloat16"
+        cast = ir.node("Cast", [outer], {"to": int(bf16)}, name=f"{outer.name}/to_bfloat16")
+        ir.convenience.replace_all_uses_with(v, cast.outputs[0])
+        cast.outputs[0].name, cast.outputs[0].type, cast.outputs[0].shape = v.name, ir.TensorType(bf16), v.shape
+        graph.inputs[i] = outer
+        front.append(cast)
+    if front:
+        graph.insert_before(next(iter(graph)), front)
+    for i, v in enumerate(list(graph.outputs)):
+        if v.dtype != bf16:
+            continue
+        name = v.name
+        v.name = f"{name}/bfloat16"
+        cast = ir.node("Cast", [v], {"to": int(f32)}, name=f"{name}/to_float")
+        out = cast.outputs[0]
+        out.name, out.type, out.shape = name, ir.TensorType(f32), v.shape
+        graph.append(cast)
+        graph.outputs[i] = out
+    return wrapped

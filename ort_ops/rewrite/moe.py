@@ -38,8 +38,10 @@ added to a fused block's output runs as one always-on INT8 expert (``_fuse_share
 DeepSeek-V3's n_shared_experts are one MLP of their summed width, over the [B, S, H] hidden state).
 
 float16 blocks run the chain on float16 activations (the ops take them) with one Cast of the
-float32 output back to float16; bfloat16 ones are not fused (the probe runs on ORT's CPU
-provider, which has no bfloat16 Mul/MatMul). The router is found through Casts (to a float type)
+float32 output back to float16. bfloat16 blocks run it on float32: a Cast of the hidden state to
+float32 in front (exact), one of the output back to bfloat16, the expert weights quantized from
+their bfloat16 values as float32; the probe runs the model's float32 twin
+(``_graph.float32_twin``), since ORT's CPU provider has no bfloat16 Mul/MatMul. The router is found through Casts (to a float type)
 and Identities between its GEMM, its Softmax and the TopK.
 
 Routers kept as the graph computes them: softmax over a linear projection then TopK (Mixtral,
@@ -95,7 +97,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT
-from ort_ops.rewrite._graph import attr_int, probe_session
+from ort_ops.rewrite._graph import attr_int, float32_twin, has_bfloat16, probe_session, same_values
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -184,11 +186,14 @@ class _Declined(Exception):
 
 
 def _const(v: ir.Value | None) -> np.ndarray | None:
-    """The value's constant contents (initializer that is not also an input, or Constant node)."""
+    """The value's constant contents (initializer that is not also an input, or Constant node);
+    bfloat16 ones as float32 (exact), the dtype numpy arithmetic and the quantizer work in."""
     if v is None or v.is_graph_input():
         return None
     t = ir.convenience.get_const_tensor(v)
-    return None if t is None else t.numpy()
+    if t is None:
+        return None
+    return t.numpy().astype(np.float32) if t.dtype == ir.DataType.BFLOAT16 else t.numpy()
 
 
 def _fold(v: ir.Value | None, depth: int = 0) -> np.ndarray | None:
@@ -793,13 +798,20 @@ def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dic
 
 class _Prober:
     """One onnxruntime session of the (unmodified) model with the wanted intermediate values as
-    extra outputs; ``run(tokens)`` feeds synthetic inputs of that many positions."""
+    extra outputs; ``run(tokens)`` feeds synthetic inputs of that many positions.
+
+    A bfloat16 model runs as its float32 twin (``_graph.float32_twin``: onnxruntime's CPU provider
+    has no bfloat16 Mul/MatMul); the twin's values keep their names, so the probe arrays answer
+    for the model's values, in float32."""
 
     def __init__(self, model: ir.Model, wanted: list[ir.Value]):
         import onnxruntime as ort
 
-        self.model = model
         self.names = [v.name for v in wanted]
+        if has_bfloat16(model):
+            model = float32_twin(model)
+            wanted = same_values(model, wanted)
+        self.model = model
         if any(op.domain == DOMAIN for op in model.graph):
             from ort_ops._lib import session_options
 
@@ -1112,6 +1124,9 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     ids32 = add("Cast", [ids], domain="", to=int(ir.DataType.INT32))[0]
     if weights.dtype not in (None, ir.DataType.FLOAT, ir.DataType.FLOAT16):
         weights = add("Cast", [weights], domain="", to=int(ir.DataType.FLOAT))[0]
+    x_dtype = x.dtype
+    if x_dtype == ir.DataType.BFLOAT16:  # the ops take float32/float16 activations
+        x = add("Cast", [x], domain="", tag="_in", to=int(ir.DataType.FLOAT))[0]
     # The token rows are quantized once, before routing; MoeInitRouting gathers the int8 rows and
     # their scales (the same codes as quantizing each gathered copy, K times fewer rows to quantize).
     tq, ts = add("DynamicQuant", [x], 2)
@@ -1121,8 +1136,8 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups]
             + ([dn_bias] if dn_bias is not None else []), **dn_attrs)[0]
     out = add("MoeFinalizeRouting", [y, s2f, weights])[0]
-    if x.dtype == ir.DataType.FLOAT16:  # MoeFinalizeRouting's output is float32 by contract
-        out = add("Cast", [out], domain="", tag="_out", to=int(ir.DataType.FLOAT16))[0]
+    if x_dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):  # MoeFinalizeRouting's output is float32
+        out = add("Cast", [out], domain="", tag="_out", to=int(x_dtype))[0]
     return nodes, out, nbytes
 
 
@@ -1244,7 +1259,7 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
             x_dtype, rank = next(((dt, r) for v, dt, r in proven if v is x), (None, None))
             if x_dtype is None and x.shape is not None and len(x.shape) >= 2:
                 x_dtype, rank = x.dtype, len(x.shape)
-            if x_dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16) or wu.shape != wg.shape or \
+            if x_dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) or wu.shape != wg.shape or \
                     wd.shape != (wg.shape[1], wg.shape[0]):
                 continue
             return _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout, x_dtype, rank)
@@ -1278,11 +1293,13 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EK
         x = add("Reshape", [x, _initializer(graph, f"{prefix}/shape_TH", np.array([-1, wg.shape[0]], np.int64))],
                 domain="")[0]
     groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
+    if x_dtype == ir.DataType.BFLOAT16:  # the ops take float32/float16 activations
+        x = add("Cast", [x], domain="", to=int(ir.DataType.FLOAT))[0]
     xq, xs = add("DynamicQuant", [x], 2)
     hq, hs, _ = add("GroupedMatmulSwigluQuant", [xq, inits[0], inits[1], xs, groups], 3, **gu_attrs)
     y = add("GroupedMatmulDequant", [hq, inits[2], inits[3], hs, groups], **dn_attrs)[0]
-    if x_dtype == ir.DataType.FLOAT16:  # GroupedMatmulDequant's output is float32 by contract
-        y = add("Cast", [y], domain="", to=int(ir.DataType.FLOAT16))[0]
+    if x_dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):  # GroupedMatmulDequant's output is float32
+        y = add("Cast", [y], domain="", to=int(x_dtype))[0]
     if rank != 2:  # the MLP's output has its input's shape (the down projection maps I back to H)
         y = add("Reshape", [y, add("Shape", [x_in], domain="")[0]], domain="")[0]
     graph.insert_after(mlp_out.producer(), nodes)
@@ -1461,12 +1478,14 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
 
     cands, declined = _candidates(graph)
     result.declined += declined
-    for c in [c for c in cands if c.x.dtype == ir.DataType.BFLOAT16]:
-        # Said before probing: the probe's failure would read like a specialized trace.
-        result.declined.append(Decline(c.topk.name, "bfloat16 block: the INT8 ops take float32/float16 "
-                                       "activations, and onnxruntime's CPU provider has no bfloat16 Mul/MatMul "
-                                       "to run (probe) the model"))
-        cands.remove(c)
+    bf16 = has_bfloat16(model)
+    if bf16:
+        # The chain's activations get Casts around them by the router input's recorded dtype; the
+        # probe (on the float32 twin) shows float32 for a bfloat16 value, so it cannot tell.
+        for c in [c for c in cands if c.x.dtype is None]:
+            result.declined.append(Decline(c.topk.name, "a bfloat16 model whose router input has no recorded "
+                                           "element type: the Casts the INT8 chain needs cannot be placed"))
+            cands.remove(c)
     if cands:
         wanted: list[ir.Value] = []
         for c in cands:
@@ -1509,15 +1528,19 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                 "top_k": b.cand.k, "intermediate": b.w.w_gate.shape[2], "routing": b.cand.routing,
                 "activation": b.act.name if b.act.name == "swiglu" else
                 f"{b.act.name} (alpha {b.act.alpha:g}, limit {b.act.limit:g})",
+                # (a bfloat16 model's weights were read as float32: two bytes each in the model)
                 "weight_bytes_before": sum(a.nbytes for a in (b.w.w_gate, b.w.w_up, b.w.w_down, b.w.b_gate,
-                                                              b.w.b_up, b.w.b_down) if a is not None),
+                                                              b.w.b_up, b.w.b_down) if a is not None) // (2 if bf16 else 1),
                 "weight_bytes_after": nbytes}
             # The router's input and the hidden state it reshapes: dtype and rank as the probes saw them
-            # (the same rank on every probe, the last dim H).
-            proven = [(v, ir.DataType.from_numpy(probes[0][v.name].dtype), probes[0][v.name].ndim)
+            # (the same rank on every probe, the last dim H); in a bfloat16 model the graph's dtype,
+            # since the probe ran its float32 twin.
+            proven = [(v, v.dtype if bf16 else ir.DataType.from_numpy(probes[0][v.name].dtype),
+                       probes[0][v.name].ndim)
                       for v in (b.cand.x, b.cand.hidden)
                       if len({p[v.name].ndim for p in probes}) == 1 and probes[0][v.name].ndim >= 2
-                      and all(p[v.name].shape[-1] == b.w.w_gate.shape[1] for p in probes)]
+                      and all(p[v.name].shape[-1] == b.w.w_gate.shape[1] for p in probes)
+                      and (v.dtype is not None or not bf16)]
             shared = (_fuse_shared_expert(graph, out, f"moe_int8/{b.cand.topk.name}/shared", layout,
                                           proven=proven) if shared_int8 else None)
             if shared:

@@ -25,6 +25,9 @@ Forms matched (``graphs/export_fixtures.py`` exports each; ``graphs/attention.py
 Positions a KV-cache graph computes from the cache length (no position_ids input) are replaced
 by the paged ``position_ids`` (``_positions_from_cache_length``). Graphs that onnxruntime runs on
 batches of one only are probed on one left-padded row. float16 graphs run the ops in float16.
+bfloat16 graphs are probed as their float32 twin (``_graph.float32_twin``: ORT's CPU provider has
+no bfloat16 Mul/MatMul) and run the ops on float32: Casts of query, key and value to float32
+(exact) in front, one of the output back to bfloat16.
 
 What a match checks: softmax over the key axis, a mask that is causal (and key-padding), limited
 or not to the last W positions -- decided by running the original graph on a left-padded probe
@@ -84,6 +87,7 @@ class _Ctx:
     probe_past: int
     probe_error: str | None
     proto: Any = None  # the model as it came in (the long mask probe runs parts of it)
+    bfloat16: bool = False  # a bfloat16 model (probed as its float32 twin; the ops run in float32)
     window_checked: dict = dataclasses.field(default_factory=dict)  # mask name -> (window, reason or "")
     shared: dict = dataclasses.field(default_factory=dict)
     cache_out: dict = dataclasses.field(default_factory=dict)  # layer -> 4 output values
@@ -262,6 +266,9 @@ def _check_dims(ctx: _Ctx, q: ir.Value, k_new: ir.Value, v_new: ir.Value) -> tup
     if _dim(ctx, v_new, 1) not in (None, hkv) or _dim(ctx, v_new, 3) not in (None, d) or \
             _dim(ctx, k_new, 3) not in (None, d):
         raise MatchFailureError("key/value head counts or head_dim differ")
+    if ctx.bfloat16 and q.dtype is None:
+        raise MatchFailureError("a bfloat16 model whose query has no recorded element type: the Casts "
+                                "around the ops (which take float32/float16) cannot be placed")
     if d not in SUPPORTED_HEAD_DIMS:
         raise MatchFailureError(f"head_dim must be one of {{{', '.join(map(str, SUPPORTED_HEAD_DIMS))}}}, got {d}")
     if hq % hkv:
@@ -458,6 +465,12 @@ def _emit(op, ctx: _Ctx, a: _Attn):
     opts = ctx.options
     to_THD = lambda x, h: op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), _ints(op, [-1, h, a.d]))
     q_THD, k_THD, v_THD = to_THD(a.q_BHSD, a.hq), to_THD(a.k_new_BHSD, a.hkv), to_THD(a.v_new_BHSD, a.hkv)
+    # The ops take float32/float16: a bfloat16 block runs them on float32 (exact upcasts) and
+    # gives its output back in bfloat16. (A query built here for the GQA form has no type yet: in
+    # a bfloat16 model it is bfloat16.)
+    bf16 = a.q_BHSD.dtype == ir.DataType.BFLOAT16 or a.q_BHSD.dtype is None and ctx.bfloat16
+    if bf16:
+        q_THD, k_THD, v_THD = (op.Cast(x, to=ir.DataType.FLOAT) for x in (q_THD, k_THD, v_THD))
     attrs = {"qk_quant": opts.qk_quant, "pv_quant": opts.pv_quant}
     if not math.isclose(a.scale, 1.0 / math.sqrt(a.d), rel_tol=1e-6):
         attrs["scale"] = float(a.scale)
@@ -498,6 +511,8 @@ def _emit(op, ctx: _Ctx, a: _Attn):
                              p["idx2"], o_packed)
         q_BSHD_shape = op.Shape(op.Transpose(a.q_BHSD, perm=[0, 2, 1, 3]))
         o = op.Transpose(op.Reshape(o_all, q_BSHD_shape), perm=[0, 2, 1, 3])
+    if bf16:
+        o = op.Cast(o, to=ir.DataType.BFLOAT16)
     ctx.outputs_made.add(o)
     return o
 
@@ -1047,38 +1062,44 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     # Shapes the graph leaves symbolic (head counts behind dynamic Reshapes) come from the probe.
     names = {t.name for t in targets}
     targets += [v for v in g.all_node_outputs(work) if v.name not in names]
+    # A bfloat16 model is probed as its float32 twin (onnxruntime's CPU provider has no bfloat16
+    # Mul/MatMul); the twin's values keep their names, so the probes answer for the model's values.
+    bf16 = g.has_bfloat16(work)
+    probed = g.float32_twin(work) if bf16 else work
+    past_probed = g.same_values(probed, past)
+    targets = g.same_values(probed, targets)
     batch = g.PROBE_BATCH
-    fe = g.probe_feeds(work, list(past))
+    fe = g.probe_feeds(probed, past_probed)
     if fe is None:
         probe_error = "the graph has inputs other than input_ids/attention_mask/position_ids/past"
     elif targets:
         feeds, probe_mask = fe
         try:
-            probes = g.run_probe(work, targets, feeds)
+            probes = g.run_probe(probed, targets, feeds)
         except Exception as e:  # noqa: BLE001 - any failure means: cannot check, decline
             probe_error = f"running the original graph on a probe batch failed ({str(e).splitlines()[0][:200]})"
-            if any(v.dtype == ir.DataType.BFLOAT16 for v in work.graph.initializers.values()):
-                probe_error = ("a bfloat16 model: onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so "
-                               f"the mask cannot be probed (nor the rewritten model run) ({probe_error})")
+            if bf16:
+                probe_error = f"running the bfloat16 model's float32 twin on a probe batch failed ({probe_error})"
             # Some exports run one sequence at a time only (see g.PROBE_FALLBACK_BATCH): probe
             # them with one left-padded row, which still shows causality and key padding.
             batch = g.PROBE_FALLBACK_BATCH
-            feeds, probe_mask = g.probe_feeds(work, list(past), b=batch)
+            feeds, probe_mask = g.probe_feeds(probed, past_probed, b=batch)
             try:
-                probes = g.run_probe(work, targets, feeds)
+                probes = g.run_probe(probed, targets, feeds)
                 probe_error = None
             except Exception:  # noqa: BLE001 - report the batched failure, the first one seen
                 probes = {}
     probes2: dict = {}
     if probes and paged:
-        fe2 = g.probe_feeds(work, list(past), b=g.PROBE2_BATCH if batch > 1 else batch,
+        fe2 = g.probe_feeds(probed, past_probed, b=g.PROBE2_BATCH if batch > 1 else batch,
                             s=g.PROBE2_SEQ, past=g.PROBE2_PAST)
         try:
-            probes2 = g.run_probe(work, targets, fe2[0]) if fe2 else {}
+            probes2 = g.run_probe(probed, targets, fe2[0]) if fe2 else {}
         except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
             probes2 = {}
     ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
-               probe_error, proto=_without_large_initializers(work))
+               probe_error, proto=_without_large_initializers(probed), bfloat16=bf16)
+    del probed, past_probed  # (the twin's float32 weights)
     for v in work.graph.inputs:
         if "attention_mask" in (v.name or ""):
             ctx.shared["attention_mask"] = v

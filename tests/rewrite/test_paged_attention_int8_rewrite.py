@@ -355,15 +355,6 @@ def test_group_query_attention_declines(kwargs, reason):
     assert any(reason in d.reason for d in result.declined), result.declined
 
 
-def test_bfloat16_export_declined_with_reason():
-    """dynamo_sdpa_kv_bf16: onnxruntime's CPU provider has no bfloat16 Mul/MatMul, so the mask
-    cannot be probed and the model is left as it is, each layer saying why."""
-    _, result = _rewritten("dynamo_sdpa_kv_bf16")
-    assert result.fused == 0 and result.details["interface"] == "unchanged"
-    per_layer = [d for d in result.declined if d.where != "model"]
-    assert len(per_layer) == LAYERS and all("bfloat16" in d.reason for d in per_layer), per_layer
-
-
 def test_gqa_prefill_with_padding_in_seqlens_k_declines():
     """A prefill GroupQueryAttention whose padding lives in seqlens_k (onnxruntime-genai's
     sum(attention_mask) - 1, no attention_bias) stays: the prefill form reads padding from the
