@@ -94,6 +94,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(f"verify {args.rewritten} ({report['rewritten_interface']}) against {args.original} on {args.device}")
+        if "bfloat16" in report:
+            print(f"  bfloat16 models: {report['bfloat16']}")
         print(f"  {'prompt':>6} {'len':>4} {'agree':>6} {'logit err':>9} {'stop':>5} {'free agree':>10} "
               f"{'free len o/r':>12}")
         for i, p in enumerate(report["prompts"]):

@@ -102,6 +102,32 @@ def runs_one_sequence_only(proto) -> bool:
     return False
 
 
+# How a bfloat16 pair runs: onnxruntime's Python API neither feeds nor returns bfloat16 arrays,
+# and its CPU provider has no bfloat16 MatMul.
+_BF16_HOW = {"cpu": "both models as their float32 twins (the CPU EP has no bfloat16 MatMul)",
+             "cuda": "both models with float32 inputs and outputs around their bfloat16 graphs"}
+
+
+def _is_bfloat16(proto) -> bool:
+    from onnx import TensorProto
+
+    g = proto.graph
+    return (any(t.data_type == TensorProto.BFLOAT16 for t in g.initializer)
+            or any(v.type.tensor_type.elem_type == TensorProto.BFLOAT16 for v in (*g.input, *g.output)))
+
+
+def _bfloat16_runnable(src, device: str):
+    """A bfloat16 model as a ModelProto that onnxruntime runs on ``device``: its float32 twin on
+    the CPU (rewrite._graph.float32_twin), float32 inputs and outputs around the bfloat16 graph on
+    CUDA (rewrite._graph.float32_io). Loads the whole model (twins hold float32 weight copies)."""
+    import onnx_ir as ir
+
+    from ort_ops.rewrite._graph import float32_io, float32_twin
+
+    model = ir.load(src) if isinstance(src, str) else ir.serde.deserialize_model(src)
+    return ir.to_proto(float32_twin(model) if device == "cpu" else float32_io(model))
+
+
 def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_token_id=None,
            seed: int = 0, progress: bool | None = False, device: str | None = None, providers=None) -> dict:
     """Runs both models on the same prompts; returns the report as a dict (``--json`` prints it).
@@ -127,6 +153,9 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
     p_orig, p_rew = _load_proto(original, load_external_data=False), _load_proto(rewritten, load_external_data=False)
     src_orig = original if isinstance(original, str) else _load_proto(original)
     src_rew = rewritten if isinstance(rewritten, str) else _load_proto(rewritten)
+    bf16 = _is_bfloat16(p_orig)
+    if bf16:
+        src_orig, src_rew = _bfloat16_runnable(src_orig, device), _bfloat16_runnable(src_rew, device)
     if eos_token_id is None:
         meta = {p.key: p.value for p in p_orig.metadata_props}
         if "ort_ops.eos_token_id" in meta:
@@ -173,6 +202,7 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         "overall": overall,
         "prompts": [dataclasses.asdict(r) for r in reports],
         "rewritten_interface": "paged" if paged_metadata(p_rew) else "dense",
+        **({"bfloat16": _BF16_HOW[device]} if bf16 else {}),
         "device": device,
     }
 

@@ -96,3 +96,16 @@ def test_bench_reports_both_models(tmp_path, capsys):
     assert r["original"]["new_tokens"] == r["rewritten"]["new_tokens"] == 8
     assert r["speedup"] > 0 and r["kv_bytes_per_token"]["int8_paged"] < r["kv_bytes_per_token"]["original"]
     assert r["kv_bytes_per_token"]["original_dtype"] == "float32"
+
+
+def test_verify_runs_a_bfloat16_pair_through_float32_twins(tmp_path, capsys):
+    """onnxruntime's CPU EP has no bfloat16 MatMul: verify runs both models' float32 twins and
+    says so; the bf16 fixture's rewrite passes as its fp32 sibling does."""
+    src = FIXTURE.parent / "dynamo_sdpa_kv_bf16.onnx"
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(src), str(out)]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(src), str(out), "--json", "--max-new-tokens", "8"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert v["bfloat16"].startswith("both models as their float32 twins")
+    assert v["rewritten_interface"] == "paged" and v["overall"]["token_agreement"] >= 0.95
