@@ -4,7 +4,7 @@
     python benchmarks/eval_perplexity.py --models DIR [--contexts 512,2048,4096] [--windows 4]
                                          [--score 128] [--variants NAME,...] [--peers NAME,...]
                                          [--agreement 128] [--block-size 16] [--threads 2]
-                                         [--device cpu|cuda] [--json out.json]
+                                         [--device cpu|cuda] [--float-chunk 512] [--json out.json]
 
 DIR is what graphs/train_models.py writes: ``<model>.onnx`` (dense, moe, moe_shared; whichever
 exist), ``eval_tokens.npy`` (the held-out token stream) and ``manifest.json`` (seed, config).
@@ -114,18 +114,27 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def score_dense(model, windows: np.ndarray, score: int, *, with_library: bool = False,
-                threads: int | None = None, device: str = "cpu") -> np.ndarray:
-    """NLL [W, score] of each window's last ``score`` tokens, one forward per window over the
-    whole window (an ordinary decoder: stock onnxruntime, or the library for MoE-only rewrites)."""
+                threads: int | None = None, device: str = "cpu", chunk: int = 0) -> np.ndarray:
+    """NLL [W, score] of each window's last ``score`` tokens (an ordinary decoder: stock
+    onnxruntime, or the library for MoE-only rewrites): one forward per window over the whole
+    window, or with ``chunk`` > 0 (and a model with past/present) the window fed ``chunk`` tokens a
+    Run with the model's own KV cache: the same predictions, in less memory (a whole 4k window of
+    a ``batched_mm`` MoE export gathers every token's expert weights at once)."""
     from ort_ops.runtime import DenseRunner, resolve_device
 
     runner = DenseRunner(model, providers=resolve_device(device)[1], with_library=with_library,
                          intra_op_threads=threads)
     w, length = windows.shape
+    step = chunk if chunk > 0 and runner.past else length
     out = np.zeros((w, score), np.float64)
     for i in range(w):
         ids = windows[i:i + 1]
-        logits = runner.run(ids, np.ones_like(ids), None)[0][0]      # [L, V]
+        past, rows = None, []
+        for a in range(0, length, step):
+            b = min(length, a + step)
+            logits, past = runner.run(ids[:, a:b], np.ones((1, b), ids.dtype), past)
+            rows.append(logits[0])
+        logits = np.concatenate(rows)                                   # [L, V]
         # logits[p] predicts token p + 1: the scored tokens L - score .. L - 1.
         out[i] = token_nll(logits[length - score - 1:length - 1], ids[0, length - score:])
     return out
@@ -294,13 +303,13 @@ def held_out_prompts(stream: np.ndarray, count: int = 4, length: int = 64) -> li
 
 def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, block_size: int,
              threads: int | None, agreement: int, peers=(), calib_windows: int = 8, only=MODEL_NAMES,
-             log=print, device: str = "cpu") -> dict:
+             log=print, device: str = "cpu", float_chunk: int = 0) -> dict:
     stream = np.load(models_dir / "eval_tokens.npy")
     manifest_path = models_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     report = {"models_dir": str(models_dir), "seed": manifest.get("seed"), "config": manifest.get("config", {}).get("name"),
               "heldout_tokens": int(stream.size), "windows": windows, "score": score, "block_size": block_size,
-              "device": device, "models": {}}
+              "device": device, "float_chunk": float_chunk, "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="eval_ppl_"))
     for name in only:
         path = models_dir / f"{name}.onnx"
@@ -312,7 +321,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
         for ctx in contexts:
             win = eval_windows(stream, ctx, windows)
             t = time.time()
-            nll = score_dense(str(path), win, min(score, ctx - 1), threads=threads, device=device)
+            nll = score_dense(str(path), win, min(score, ctx - 1), threads=threads, device=device, chunk=float_chunk)
             float_nll[ctx] = nll
             entry["float"][str(ctx)] = {"ppl": perplexity(nll), "nll": float(nll.mean()), "windows": int(win.shape[0]),
                                         "seconds": round(time.time() - t, 1)}
@@ -332,7 +341,8 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
                 s = min(score, ctx - 1)
                 t = time.time()
                 nll = (score_paged(str(rew), win, s, block_size=block_size, threads=threads, device=device) if paged else
-                       score_dense(str(rew), win, s, with_library=True, threads=threads, device=device))
+                       score_dense(str(rew), win, s, with_library=True, threads=threads, device=device,
+                                   chunk=float_chunk))
                 res[str(ctx)] = {**compare_to_float(nll, float_nll[ctx]), "seconds": round(time.time() - t, 1)}
             if agreement:
                 from ort_ops.verify import verify
@@ -365,7 +375,8 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
             res = {"emulated": True, **detail}
             for ctx in contexts:
                 win = eval_windows(stream, ctx, windows)
-                nll = score_dense(str(emu), win, min(score, ctx - 1), threads=threads, device=device)
+                nll = score_dense(str(emu), win, min(score, ctx - 1), threads=threads, device=device,
+                                  chunk=float_chunk)
                 res[str(ctx)] = compare_to_float(nll, float_nll[ctx])
             entry["peer " + label] = res
         report["models"][name] = entry
@@ -411,6 +422,10 @@ def main(argv=None) -> int:
     ap.add_argument("--agreement", type=int, default=0, help="greedy agreement over N new tokens (0: skip)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="execution provider of every session (cuda: ORT's CUDA EP; the paged cache on the GPU)")
+    ap.add_argument("--float-chunk", type=int, default=0,
+                    help="feed the dense (non-paged) models' windows this many tokens a Run with their "
+                         "own KV cache (0: one forward per window; use e.g. 512 where a whole window "
+                         "does not fit, as batched_mm MoE exports on a GPU)")
     ap.add_argument("--json", help="write the report here")
     args = ap.parse_args(argv)
     models_dir = Path(args.models)
@@ -431,7 +446,8 @@ def main(argv=None) -> int:
     report = evaluate(models_dir, contexts=contexts, windows=args.windows, score=args.score, variants=variants,
                       block_size=args.block_size, threads=args.threads, agreement=args.agreement, peers=peers,
                       calib_windows=args.calib_windows, only=[n for n in args.only.split(",") if n],
-                      log=lambda s: print(s, file=sys.stderr, flush=True), device=args.device)
+                      log=lambda s: print(s, file=sys.stderr, flush=True), device=args.device,
+                      float_chunk=args.float_chunk)
     print(format_table(report, contexts))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -72,6 +72,17 @@ def test_score_dense_aligns_with_incremental_decoding():
         np.testing.assert_allclose(nll[i], want, rtol=0, atol=1e-4)   # float32 logits, summed in another order
 
 
+def test_score_dense_in_chunks_equals_the_whole_window():
+    """--float-chunk: the window fed 7 tokens a Run with the model's own KV cache gives the
+    whole-window forward's NLLs (float32 sums in another order), chunk boundaries inside the
+    scored tail included."""
+    win, score = _windows(1, 2, 20), 6
+    whole = ev.score_dense(str(DENSE), win, score)
+    chunked = ev.score_dense(str(DENSE), win, score, chunk=7)
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-4)
+    assert not np.array_equal(ev.score_dense(str(DENSE), win[:, ::-1].copy(), score, chunk=7), whole)
+
+
 @pytest.fixture(scope="module")
 def paged_kv8(tmp_path_factory):
     out, paged, fused = ev.make_variant(DENSE, "attn kv8", tmp_path_factory.mktemp("kv8"), 16)
