@@ -33,7 +33,7 @@ LAYERS = 2
 WINDOW = 24
 SINKS = [-1.0, 2.0]
 VOCAB = 128
-MOE = {"gptoss_sinks_kv"}  # its experts stay float here (moe=False): another helper's rewrite
+MOE = {"gptoss_sinks_kv"}  # its experts stay float here (moe=False): the MoE rewrite's gpt-oss form is tested in test_moe_rewrite.py
 # fixture -> per layer (window, softcap, head_sink), and the scale attribute when not 1/sqrt(D)
 EXPECTED = {
     "mistral_window_kv": ([(WINDOW, 0.0, None), (WINDOW, 0.0, None)], None),
@@ -595,3 +595,19 @@ def test_onnx_attention_softcap_fused_on_the_kernels():
     for x, y in zip(a, b):
         assert x.tokens == y.tokens
         assert np.abs(x.logits - y.logits).max() <= ATTN_REWRITE_EMULATED_LOGITS_ATOL
+
+
+def test_gpt_oss_kv_model_fuses_attention_and_moe_together():
+    """The whole gpt-oss fixture through both passes: sink attention (window on layer 0) and the
+    MoE blocks with expert biases and swiglu_oai, in one paged model."""
+    model, results = rewrite_model(ir.load(_path("gptoss_sinks_kv")), block_size=16)
+    kinds = {r.kind: r for r in results}
+    assert kinds["attention"].fused == 2 and kinds["moe"].fused == 2, [
+        (d.where, d.reason) for r in results for d in r.declined]
+    proto = ir.to_proto(model)
+    census = collections.Counter(n.op_type for n in proto.graph.node)
+    assert census["PagedAttentionInt8"] == 2 and census["GroupedMatmulSwigluQuant"] == 2
+    sinks = [n for n in proto.graph.node if n.op_type == "PagedAttentionInt8" and len(n.input) > 8 and n.input[8]]
+    acts = {onnx.helper.get_attribute_value(a) for n in proto.graph.node if n.op_type == "GroupedMatmulSwigluQuant"
+            for a in n.attribute if a.name == "activation"}
+    assert len(sinks) == 2 and acts == {b"swiglu_oai"}
