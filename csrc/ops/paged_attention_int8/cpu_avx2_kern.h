@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "ops/paged_attention_int8/cpu.h"
@@ -136,7 +137,36 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
+// tanh(x) for |x| <= FLT_MAX: odd, so computed on a = |x| and the sign put back. For a >= 0.25,
+// (1 - e) / (1 + e) with e = exp(-2a) (exp_nonpos: ~1 ulp; e is 0 past a = 43.5, giving 1); below
+// it, where 1 - e would cancel, the Taylor series a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835
+// (first omitted term < 1.4e-8 a there). Both are within a few ulp of libm's tanhf: float
+// rounding of the scores, which the tests' tolerance model allows as it does the kernels' exp.
+inline __m256 tanh_ps(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 e = exp_nonpos(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+  const __m256 big = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  const __m256 a2 = _mm256_mul_ps(a, a);
+  __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, a2), _mm256_set1_ps(-17.0f / 315.0f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, a2), _mm256_set1_ps(2.0f / 15.0f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, a2), _mm256_set1_ps(-1.0f / 3.0f));
+  const __m256 small = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, a2), a), a);
+  const __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+  return _mm256_or_ps(t, sign);
+}
+
 struct Avx2Kern {
+  // s[i] = cap * tanh(s[i] / cap) (DESIGN.md's order: one division, tanh, one multiply).
+  static void softcap(float* s, int64_t n, float cap) {
+    const __m256 c = _mm256_set1_ps(cap);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(s + i, _mm256_mul_ps(c, tanh_ps(_mm256_div_ps(_mm256_loadu_ps(s + i), c))));
+    for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+  }
+
   static void qk_s8(const int8_t* const* q, int64_t rows, const int8_t* const* k, int64_t n, int64_t d,
                     int32_t* out, int64_t ldo) {
     const int64_t nc = (d + 31) / 32;

@@ -141,12 +141,8 @@ void run_task_impl(const Params& p, const Task& task, const Scratch& sc) {
         for (int64_t i = 0; i < n; ++i) s[i] = (s[i] * sk[i]) * p.scale;
       }
     }
-    if (p.softcap > 0.0f) {
-      for (int64_t r = 0; r < R; ++r) {
-        float* s = score + r * kTile;
-        for (int64_t i = 0; i < n; ++i) s[i] = p.softcap * std::tanh(s[i] / p.softcap);
-      }
-    }
+    if (p.softcap > 0.0f)
+      for (int64_t r = 0; r < R; ++r) Kern::softcap(score + r * kTile, n, p.softcap);
     // 3. online softmax and 4a. W = e * sV (zero outside each row's visible keys lo .. nv - 1).
     for (int64_t r = 0; r < R; ++r) {
       float* wr = w + r * kTile;

@@ -29,6 +29,10 @@ struct ScalarKern {
         out[r * ldo + i] = acc;
       }
   }
+  // s[i] = cap * tanh(s[i] / cap) (DESIGN.md's order: one division, tanh, one multiply).
+  static void softcap(float* s, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+  }
   static float row_max(const float* s, int64_t n) {
     float mx = s[0];
     for (int64_t i = 1; i < n; ++i) mx = std::max(mx, s[i]);
