@@ -32,15 +32,13 @@ Forms:
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from graphs.export_fixtures import (  # noqa: E402
-    HEAD_DIM, HEADS, HIDDEN, KV_HEADS, NUM_LAYERS, SEED, VOCAB, export_dynamo, strip_and_tag)
+    HEAD_DIM, HEADS, HIDDEN, KV_HEADS, NUM_LAYERS, SEED, VOCAB, export_dynamo, run_exports, strip_and_tag)
 
 WINDOW = 24
 FORMS = ("mistral_window_kv", "gemma2_softcap_kv", "gptoss_sinks_kv")
@@ -102,23 +100,7 @@ def export(name: str, out_dir: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "attention"))
-    ap.add_argument("--only", nargs="*", choices=FORMS)
-    args = ap.parse_args(argv)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    failed = []
-    for name in args.only or FORMS:
-        t = time.time()
-        try:
-            path = export(name, out_dir)
-            print(f"{name}: {path} ({path.stat().st_size / 1e6:.2f} MB, {time.time() - t:.0f} s)")
-        except Exception as e:  # noqa: BLE001 - report every form, then fail
-            failed.append(name)
-            print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                  file=sys.stderr)
-    return 1 if failed else 0
+    return run_exports(FORMS, export, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -276,24 +276,31 @@ def strip_and_tag(out: Path, name: str, generated_by: str, eos_token_id: int = 2
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_exports(forms, export_one, doc: str, argv=None) -> int:
+    """The command line of an attention-fixture script: ``export_one(name, out_dir)`` for every
+    form (or ``--only`` some) into ``--out`` (default tests/fixtures/attention); every form is
+    tried and reported, and the exit status is 1 if any failed."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "attention"))
-    ap.add_argument("--only", nargs="*", choices=FORMS)
+    ap.add_argument("--only", nargs="*", choices=forms)
     args = ap.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     failed = []
-    for name in args.only or FORMS:
+    for name in args.only or forms:
         t = time.time()
         try:
-            path = export(name, out_dir)
+            path = export_one(name, out_dir)
             print(f"{name}: {path} ({path.stat().st_size / 1e6:.2f} MB, {time.time() - t:.0f} s)")
         except Exception as e:  # noqa: BLE001 - report every form, then fail
             failed.append(name)
             print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                   file=sys.stderr)
     return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    return run_exports(FORMS, export, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
-import numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from graphs.export_moe_fixtures import (
+
+from graphs.export_moe_fixtures import (  # noqa: E402
     HIDDEN,
     VOCAB,
-    _probe_logits,
-    _strip,
+    export_fixture,
     export_torch_dynamo,
     export_torch_legacy,
 )
@@ -126,15 +127,9 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, (make, export) in FIXTURES.items():
-        if args.only and name not in args.only:
-            continue
-        model = make()
-        ids, logits = _probe_logits(model, "eager")
-        export(model, out / f"{name}.onnx")
-        _strip(out / f"{name}.onnx", GENERATED_NOTE)
-        np.savez(out / f"{name}.npz", input_ids=ids, logits=logits, note=np.array(GENERATED_NOTE))
-        print(f"{name}: {(out / f'{name}.onnx').stat().st_size / 1024:.0f} KiB")
-        _readme_line(out / "README.md", name)
+        if not args.only or name in args.only:
+            export_fixture(name, make, export, out, GENERATED_NOTE)
+            _readme_line(out / "README.md", name)
     return 0
 
 

@@ -222,6 +222,17 @@ FIXTURES = {
 }
 
 
+def export_fixture(name: str, make, export, out: pathlib.Path, note: str = GENERATED_NOTE) -> None:
+    """One fixture: ``make()`` the model, its torch logits on the probe prompt into ``name.npz``,
+    ``export(model, path)`` into ``name.onnx``, stripped; both tagged with ``note``."""
+    model = make()
+    ids, logits = _probe_logits(model, "eager")
+    export(model, out / f"{name}.onnx")
+    _strip(out / f"{name}.onnx", note)
+    np.savez(out / f"{name}.npz", input_ids=ids, logits=logits, note=np.array(note))
+    print(f"{name}: {(out / f'{name}.onnx').stat().st_size / 1024:.0f} KiB")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/moe"))
@@ -230,14 +241,8 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, (make, export) in FIXTURES.items():
-        if args.only and name not in args.only:
-            continue
-        model = make()
-        ids, logits = _probe_logits(model, "eager")
-        export(model, out / f"{name}.onnx")
-        _strip(out / f"{name}.onnx")
-        np.savez(out / f"{name}.npz", input_ids=ids, logits=logits, note=np.array(GENERATED_NOTE))
-        print(f"{name}: {(out / f'{name}.onnx').stat().st_size / 1024:.0f} KiB")
+        if not args.only or name in args.only:
+            export_fixture(name, make, export, out)
     readme = out / "README.md"
     # graphs/export_moe_families.py's fixtures keep their lines.
     kept = [ln for ln in readme.read_text().splitlines() if "export_moe_families.py" in ln] if readme.exists() else []
