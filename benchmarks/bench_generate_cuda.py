@@ -13,7 +13,10 @@ and p90 of ``--repeat`` after ``--warmup``. tokens/s = tokens of the case / medi
 Engines (a row that cannot run prints its reason instead):
   ours       ``ort-ops rewrite`` of the export (INT8 paged KV cache, INT8 MoE) on
              ``ort_ops.runtime.PagedRunner``: caches on the GPU bound in place, the step tables
-             copied once per step, only the last tokens' logits back (what ``generate`` does).
+             copied once per step, only the last tokens' logits back (what ``generate`` does);
+             decode steps replayed as CUDA graphs (PagedRunner's buckets; the warm-up steps
+             include each bucket's regular Run and its capture).
+  ours-nograph  the same, every step run node by node (``cuda_graph=False``).
   ort        the original export on ORT's CUDA EP (fp16), its own past/present cache under
              IOBinding: past on the GPU, present allocated by ORT each Run (concat of the past
              and the new token), logits to the host at decode; at prefill all [1, P, V] logits
@@ -60,7 +63,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ENGINES = ("ours", "ort", "ort-gqa", "torch", "genai-fp16", "genai-int4")
+ENGINES = ("ours", "ours-nograph", "ort", "ort-gqa", "torch", "genai-fp16", "genai-int4")
 
 
 class Skip(Exception):
@@ -101,7 +104,8 @@ def prepare(args) -> dict:
         import ort_ops
 
         print(f"ort-ops rewrite {orig} -> {rew} ...", file=sys.stderr)
-        _, results = ort_ops.rewrite_model(str(orig), str(rew), block_size=args.block_size)
+        _, results = ort_ops.rewrite_model(str(orig), str(rew), block_size=args.block_size,
+                                           moe_weight_layout=args.moe_weight_layout)
         for r in results:
             print(f"  {r.kind}: {r.fused} fused" + "".join(f"; declined {d.where}: {d.reason}" for d in r.declined),
                   file=sys.stderr)
@@ -115,7 +119,8 @@ def model_dims(path: str) -> dict:
 
     m = onnx.load(path, load_external_data=False)
     ins = {i.name: i for i in m.graph.input}
-    past = sorted(n for n in ins if n.startswith("past_key_values.") and n.endswith(".key"))
+    # past_key_values.{i}.key (torch.onnx dynamo) or past_key_values.layers.{i}.keys (transformers' exporter)
+    past = sorted(n for n in ins if n.startswith("past_key_values.") and n.endswith((".key", ".keys")))
     t = ins[past[0]].type.tensor_type
     dims = [d.dim_value for d in t.shape.dim]
     logits = next(o for o in m.graph.output if o.name == "logits")
@@ -127,7 +132,7 @@ def model_dims(path: str) -> dict:
 # --- engines -----------------------------------------------------------------------------------
 
 
-def run_ours(paths, args, prompt, dims):
+def run_ours(paths, args, prompt, dims, cuda_graph: bool = True):
     from ort_ops.runtime import PagedRunner, paged_metadata
 
     meta = paged_metadata(paths["rewritten"])
@@ -136,7 +141,10 @@ def run_ours(paths, args, prompt, dims):
     bs = meta["block_size"]
     per_seq = -(-(args.context + args.warmup + args.repeat + 2) // bs)
     num_blocks = per_seq * max(args.batches) + -(-len(prompt) // bs) + 2
-    runner = PagedRunner(paths["rewritten"], num_blocks=num_blocks, device=args.device)
+    runner = PagedRunner(paths["rewritten"], num_blocks=num_blocks, device=args.device,
+                         cuda_graph=cuda_graph and args.device == "cuda")
+    if cuda_graph and args.device == "cuda" and not runner.cuda_graph:
+        raise Skip(f"no CUDA graphs: {runner.graph_note}")
     out = {}
     n = [0]
 
@@ -337,7 +345,7 @@ def run_genai(paths, args, prompt, precision: str):
             tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
             raise Skip(f"model builder failed ({precision}): {tail[0][:200]}")
     model = og.Model(str(out_dir))
-    out = {}
+    out, notes = {}, []
 
     def new_generator(batch, max_length):
         params = og.GeneratorParams(model)
@@ -352,10 +360,28 @@ def run_genai(paths, args, prompt, precision: str):
     rng = np.random.default_rng(4)
     for b in args.batches:
         steps = args.warmup + args.repeat
-        g = new_generator(b, args.context + steps + 8)
-        g.append_tokens(rng.integers(3, 1000, (b, args.context)).astype(np.int32))
+        tokens = rng.integers(3, 1000, (b, args.context)).astype(np.int32)
+        try:
+            g = new_generator(b, args.context + steps + 8)
+            g.append_tokens(tokens)
+        except Exception as e:  # noqa: BLE001 - its CUDA-graph GQA takes batched prompts only at batch 1
+            if b == 1 or args.device != "cuda":
+                raise
+            # The same model with CUDA graphs off in the provider options (genai_config.json's
+            # setting, overridden at load), so the batched prompt append is accepted.
+            cfg = og.Config(str(out_dir))
+            cfg.clear_providers()
+            cfg.append_provider("cuda")
+            cfg.set_provider_option("cuda", "enable_cuda_graph", "0")
+            model = og.Model(cfg)
+            notes.append(f"b{b} without CUDA graphs ({str(e).splitlines()[0][:120]})")
+            g = new_generator(b, args.context + steps + 8)
+            g.append_tokens(tokens)
         out[("decode", b)] = timed(g.generate_next_token, args.warmup, args.repeat)
         del g
+    if notes:
+        print(f"genai-{precision}: " + "; ".join(notes), file=sys.stderr)
+        out["note"] = "; ".join(notes)
     return out
 
 
@@ -375,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument("--exporter", choices=("dynamo", "transformers"), default="dynamo",
                     help="how a missing export is made (graphs/export_realistic.py --exporter)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the rewrite (default 64)")
+    ap.add_argument("--moe-weight-layout", default=None,
+                    help="MoE gate/up weight layout of the rewrite (default ENK on cuda, the K-major layout "
+                         "its GEMM reads fastest; EKN on cpu)")
     ap.add_argument("--prefill", type=int, default=None, help="prompt tokens of the prefill case (default 2048)")
     ap.add_argument("--context", type=int, default=None, help="cached tokens per sequence at decode (default 4096)")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 1,32)")
@@ -385,6 +414,7 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("fp32" if args.tiny else "fp16")
+    args.moe_weight_layout = args.moe_weight_layout or ("ENK" if args.device == "cuda" else "EKN")
     args.prefill = args.prefill or (64 if args.tiny else 2048)
     args.context = args.context or (128 if args.tiny else 4096)
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.tiny else "1,32")).split(",")]
@@ -412,6 +442,9 @@ def main(argv=None) -> int:
         try:
             if engine == "ours":
                 results[engine], checks["ours"] = run_ours(paths, args, prompt, dims)
+            elif engine == "ours-nograph":
+                results[engine], check = run_ours(paths, args, prompt, dims, cuda_graph=False)
+                checks.setdefault("ours", check)
             elif engine == "ort":
                 results[engine], checks["ort"] = run_ort(paths["original"], args, prompt, dims)
             elif engine == "ort-gqa":
@@ -433,13 +466,13 @@ def main(argv=None) -> int:
         a, b = checks["ours"], checks["ort"]
         print(f"check (prefill last-token logits, ours vs ort): max abs diff {float(np.max(np.abs(a - b))):.4f}, "
               f"argmax {'same' if int(a.argmax()) == int(b.argmax()) else 'DIFFERENT'}")
-    header = f"{'engine':<11} {'case':<8} {'batch':>5} {'median ms':>10} {'p90 ms':>9} {'tokens/s':>11} {'ours x':>7}"
+    header = f"{'engine':<13} {'case':<8} {'batch':>5} {'median ms':>10} {'p90 ms':>9} {'tokens/s':>11} {'ours x':>7}"
     print(header)
     print("-" * len(header))
     rows = []
     for engine in engines:
         if engine in reasons:
-            print(f"{engine:<11} {'':<8} {'':>5} {reasons[engine]}")
+            print(f"{engine:<13} {'':<8} {'':>5} {reasons[engine]}")
             rows.append({"engine": engine, "note": reasons[engine]})
             continue
         for case, b in cases:
@@ -451,9 +484,11 @@ def main(argv=None) -> int:
             tps = tokens / med
             ours = results.get("ours", {}).get((case, b))
             ratio = (tokens / median_p90(ours)[0]) / tps if ours else float("nan")
-            print(f"{engine:<11} {case:<8} {b:>5} {med * 1e3:>10.3f} {p90 * 1e3:>9.3f} {tps:>11.1f} {ratio:>7.2f}")
+            print(f"{engine:<13} {case:<8} {b:>5} {med * 1e3:>10.3f} {p90 * 1e3:>9.3f} {tps:>11.1f} {ratio:>7.2f}")
             rows.append({"engine": engine, "case": case, "batch": b, "median_ms": med * 1e3, "p90_ms": p90 * 1e3,
-                         "tokens_per_s": tps, "ours_speedup": ratio, "note": ""})
+                         "tokens_per_s": tps, "ours_speedup": ratio, "note": results[engine].get("note", "")})
+        if results[engine].get("note"):
+            print(f"{'':<13} note: {results[engine]['note']}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["engine", "case", "batch", "median_ms", "p90_ms", "tokens_per_s",

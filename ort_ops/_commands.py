@@ -85,7 +85,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     _status(args, "generating with the original (stock onnxruntime) and the rewritten model")
     report = verify(args.original, args.rewritten, prompts=prompts, max_new_tokens=args.max_new_tokens,
                     eos_token_id=args.eos_token_id, seed=args.seed, device=args.device,
-                    progress=False if (args.json or args.quiet) else None)
+                    progress=False if (args.json or args.quiet) else None,
+                    cuda_graph=None if args.cuda_graph else False)
     o = report["overall"]
     ok = o["token_agreement"] >= args.min_agreement and o["length_match"] and o["eos_match"]
     report["passed"] = ok
@@ -136,6 +137,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             out = generate(path, prompts, max_new_tokens=args.new_tokens, with_library=lib,
                            intra_op_threads=args.threads, providers=providers,
                            max_step_tokens=args.max_step_tokens if label == "rewritten" else None,
+                           cuda_graph=None if args.cuda_graph or label == "original" else False,
                            progress=None if not args.json else False)
             if i:
                 times.append(time.perf_counter() - t0)
@@ -187,6 +189,8 @@ def _device_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="execution provider of both models: cpu (default) or cuda (onnxruntime-gpu and a CUDA "
                         "build of the library; the rewritten model's KV cache then lives on the GPU)")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="on cuda, run the rewritten model's decode steps node by node instead of as CUDA graphs")
 
 
 def register(sub) -> None:

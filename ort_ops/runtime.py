@@ -194,6 +194,18 @@ class BlockAllocator:
         blocks = np.asarray(table, np.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
+    def set_aside(self, count: int) -> list[int]:
+        """Takes ``count`` free blocks out of the pool for good (the highest numbers) and returns
+        them: scratch that no sequence is ever given (the padding rows of captured decode steps
+        write there)."""
+        if count > len(self._free):
+            raise RuntimeError(f"ort_ops.runtime: KV cache full: {count} scratch block(s) wanted, "
+                               f"{len(self._free)} free of {self.num_blocks}")
+        self._free.sort(reverse=True)
+        taken = self._free[:count]
+        del self._free[:count]
+        return taken
+
     def release(self, seq_id) -> None:
         """Returns the sequence's blocks to the pool."""
         for b in self.tables.pop(seq_id, []):
@@ -276,6 +288,35 @@ def _session(model, providers: Sequence, with_library: bool, intra_op_threads: i
     return ort.InferenceSession(source, so, providers=list(providers))
 
 
+# Decode bucket sizes (sequences in a captured step) of PagedRunner's CUDA graphs.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def _with_cuda_graph(providers: Sequence) -> list:
+    """``providers`` with ORT's CUDA graph capture turned on in the CUDA EP's options."""
+    out = []
+    for p in providers:
+        if _provider_name(p) == _CUDA_EP:
+            opts = dict(p[1]) if not isinstance(p, str) and len(p) > 1 else {}
+            opts["enable_cuda_graph"] = "1"
+            out.append((_CUDA_EP, opts))
+        else:
+            out.append(p)
+    return out
+
+
+@dataclasses.dataclass
+class _DecodeBucket:
+    """A fixed-shape decode step: ``size`` sequences, block tables ``width`` wide; its binding
+    (caches, tables, logits: device OrtValues bound once) and the run options naming its graph."""
+    size: int
+    width: int
+    io: object
+    tables: dict
+    logits: object
+    run: object
+
+
 class PagedRunner:
     """Runs a paged model step by step over a PagedKVCache, caches bound in place.
 
@@ -284,11 +325,17 @@ class PagedRunner:
     default on ``device="cuda"``, or ``cache_on_device=True``) stays bound in one IOBinding for
     the runner's life, and each step binds only the tables (one device OrtValue each) and the
     logits (returned to host memory).
+
+    On "cuda", decode steps also run as CUDA graphs (``cuda_graph``): each bucket of sequence
+    count and block-table width has its own binding of fixed-shape device tables and logits;
+    a step writes its tables into them in place and ORT replays the bucket's captured graph,
+    so the host launches one graph instead of every node of the model.
     """
 
     def __init__(self, model, cache: PagedKVCache | None = None, *, num_blocks: int = 256,
                  providers: Sequence | None = None, device: str | None = None,
-                 cache_on_device: bool | None = None, intra_op_threads: int | None = None):
+                 cache_on_device: bool | None = None, intra_op_threads: int | None = None,
+                 cuda_graph: bool | None = None, graph_batch_sizes: Sequence[int] = GRAPH_BATCH_SIZES):
         """
         Args:
             model: path (preferred for large models: ORT maps the weights itself), bytes or
@@ -298,6 +345,13 @@ class PagedRunner:
             cache_on_device: keep the cache in OrtValues allocated by ORT on the device and bind
                 it once (default: on "cuda" only; True on "cpu" runs the CUDA path's bindings on
                 the CPU EP).
+            cuda_graph: run decode steps (one new token per sequence, at most
+                max(graph_batch_sizes) sequences) as fixed-shape buckets that ORT captures as CUDA
+                graphs and replays (default: on "cuda"). Where ORT refuses to capture the model,
+                the runner runs without graphs and says why in ``graph_note``. True with a device
+                cache on "cpu" runs the same fixed-shape buckets on the CPU EP, uncaptured.
+            graph_batch_sizes: the bucket sizes; a decode step of S sequences runs in the
+                smallest bucket >= S, its other rows padding.
         """
         import onnxruntime as ort
 
@@ -323,8 +377,23 @@ class PagedRunner:
         if self.cache.device != want:
             raise ValueError(f"ort_ops.runtime: the cache lives on {self.cache.device or 'the host (numpy)'} but "
                              f"this runner needs it on {want or 'the host (numpy)'}")
-        self.session = _session(model if isinstance(model, (str, bytes)) else _load_proto(model), providers, True,
-                                intra_op_threads)
+        source = model if isinstance(model, (str, bytes)) else _load_proto(model)
+        want_graphs = (self.device == "cuda") if cuda_graph is None else bool(cuda_graph)
+        if want_graphs and not on_device:
+            raise ValueError("ort_ops.runtime: cuda_graph runs on a cache that lives on the device "
+                             "(cache_on_device=True)")
+        self.graph_note = "" if want_graphs else "off"
+        self.session = None
+        if want_graphs and self.device == "cuda":
+            try:
+                self.session = _session(source, _with_cuda_graph(providers), True, intra_op_threads)
+            except Exception as e:  # noqa: BLE001 - ORT refuses capture for some partitions: run without
+                if "graph" not in str(e).lower():
+                    raise
+                want_graphs = False
+                self.graph_note = f"ORT refused CUDA graphs for this model: {str(e).splitlines()[0][:300]}"
+        if self.session is None:
+            self.session = _session(source, providers, True, intra_op_threads)
         self._float = {i.name: i.type for i in self.session.get_inputs()}
         self.logits_name = meta["logits"] or self.session.get_outputs()[0].name
         self._cache_values = []
@@ -341,6 +410,31 @@ class PagedRunner:
                     self._io.bind_ortvalue_input(name_in, ov)
                     self._io.bind_ortvalue_output(name_out, ov)
             self._step_values: list = []  # the bound tables, alive until the next step rebinds them
+        self._plain_run = None
+        self._buckets: dict = {}  # (sequences, block-table width) -> _DecodeBucket
+        self._graph_sizes = sorted({int(b) for b in graph_batch_sizes})
+        self.graph_steps = 0  # steps that ran in a bucket (captured or replayed on "cuda")
+        if want_graphs:
+            if not self._graph_sizes or self._graph_sizes[0] < 1:
+                raise ValueError(f"ort_ops.runtime: graph_batch_sizes must be positive, got {list(graph_batch_sizes)}")
+            alloc = self.cache.allocator
+            pad_rows = self._graph_sizes[-1] - 1
+            try:
+                scratch = alloc.set_aside(-(-pad_rows // alloc.block_size)) if pad_rows else []
+            except RuntimeError:
+                want_graphs = False
+                self.graph_note = "no free cache block for the padding rows of decode buckets"
+            else:
+                bs = alloc.block_size
+                self._pad_slots = np.asarray([b * bs + o for b in scratch for o in range(bs)][:pad_rows], np.int64)
+        self.cuda_graph = want_graphs
+        if self.device == "cuda" and want_graphs:
+            import onnxruntime as ort
+
+            # Prefill and mixed steps: ordinary Runs of the same session (graph id -1: neither
+            # captured nor replayed).
+            self._plain_run = ort.RunOptions()
+            self._plain_run.add_run_config_entry("gpu_graph_id", "-1")
 
     def _tables(self, batch: dict):
         """The step tables of ``batch`` (name -> host array, in binding order), the context
@@ -399,10 +493,11 @@ class PagedRunner:
         """
         alloc = self.cache.allocator
         named, lens, cu = self._tables(batch)
-        if self._io is None:
-            logits = self._run_host(named)
-        else:
-            logits = self._run_device(named)
+        logits = None
+        if self.cuda_graph and len(lens) == cu[-1] and len(lens) <= self._graph_sizes[-1]:
+            logits = self._run_bucket(named)  # a decode step: one new token per sequence
+        if logits is None:
+            logits = self._run_host(named) if self._io is None else self._run_device(named)
         for seq_id, n in zip(batch, lens):
             alloc.lengths[seq_id] = n
         rows = logits.reshape(-1, logits.shape[-1])
@@ -433,10 +528,91 @@ class PagedRunner:
         # Rebinding by name replaces last step's logits (whose shape differs) with an empty value
         # that ORT allocates in host memory: the logits are all that comes back.
         io.bind_output(self.logits_name, "cpu")
-        self.session.run_with_iobinding(io)
+        self.session.run_with_iobinding(io, self._plain_run)
         if self.device == "cuda":
             _check_device_errors()
         return io.get_outputs()[-1].numpy()
+
+    # --- decode buckets (CUDA graphs) ---
+
+    def _logits_spec(self):
+        """(rank, vocabulary, numpy dtype) of the logits output; vocabulary None when symbolic."""
+        out = next(o for o in self.session.get_outputs() if o.name == self.logits_name)
+        vocab = out.shape[-1] if isinstance(out.shape[-1], int) else None
+        return len(out.shape), vocab, _ort_np_dtype(out.type)
+
+    def _bucket(self, size: int, width: int):
+        """The bucket of ``size`` sequences and block tables ``width`` wide, made on first use: an
+        IOBinding of its own with the caches and fixed-shape device OrtValues for the tables and
+        the logits, bound once (replays read and write those addresses), and the run options
+        that name its graph. None when the logits' vocabulary is symbolic (no fixed shape)."""
+        import onnxruntime as ort
+
+        key = (size, width)
+        if key in self._buckets:
+            return self._buckets[key]
+        rank, vocab, dtype = self._logits_spec()
+        if vocab is None:
+            return None
+        dev = self.cache.device
+        io = self.session.io_binding()
+        for layer, (ins, outs) in enumerate(zip(self.meta["cache_inputs"], self.meta["cache_outputs"])):
+            for name_in, name_out, ov in zip(ins, outs, self.cache.values[layer]):
+                io.bind_ortvalue_input(name_in, ov)
+                io.bind_ortvalue_output(name_out, ov)
+        specs = {self.meta["input_ids"]: ((1, size), np.int64), self.meta["position_ids"]: ((1, size), np.int64),
+                 SLOT_MAPPING: ((size,), np.int64), BLOCK_TABLES: ((size, width), np.int32),
+                 SEQ_LENS: ((size,), np.int32), CU_SEQLENS_Q: ((size + 1,), np.int32)}
+        tables = {}
+        for name, (shape, dt) in specs.items():
+            tables[name] = _zeros_ortvalue(shape, dt, dev)
+            io.bind_ortvalue_input(name, tables[name])
+        # Every sequence of a bucket step has one new token: row s is sequence s.
+        tables[CU_SEQLENS_Q].update_inplace(np.arange(size + 1, dtype=np.int32))
+        logits = _zeros_ortvalue((1, size, vocab) if rank == 3 else (size, vocab), dtype, dev)
+        io.bind_ortvalue_output(self.logits_name, logits)
+        run = ort.RunOptions()
+        if self.device == "cuda":
+            run.add_run_config_entry("gpu_graph_id", str(len(self._buckets) + 1))
+        bucket = _DecodeBucket(size, width, io, tables, logits, run)
+        self._buckets[key] = bucket
+        return bucket
+
+    def _run_bucket(self, named: dict):
+        """A decode step (one new token per sequence) in its fixed-shape bucket: the step's tables
+        padded to the bucket's rows and width, written into the bound device values in place, and
+        one Run, which ORT captures on the bucket's first Runs and replays after. Padding rows
+        are one-token sequences at position 0, each writing its own slot of the scratch blocks
+        that no sequence is given (repeated slots are refused) and reading only it. Returns the
+        real rows' logits [S, V], or None where no bucket applies."""
+        n = named[SEQ_LENS].shape[0]
+        width = named[BLOCK_TABLES].shape[1]
+        size = next(b for b in self._graph_sizes if b >= n)
+        # Widths in powers of two: a few buckets cover growing contexts, the grid (sized from the
+        # width) at most twice the longest context's.
+        bucket = self._bucket(size, 1 << max(width - 1, 0).bit_length())
+        if bucket is None:
+            return None
+        pad = self._pad_slots[:size - n]
+        bs = self.cache.allocator.block_size
+        ids = np.zeros((1, size), np.int64)
+        ids[0, :n] = named[self.meta["input_ids"]][0]
+        pos = np.zeros((1, size), np.int64)
+        pos[0, :n] = named[self.meta["position_ids"]][0]
+        slots = np.concatenate([named[SLOT_MAPPING], pad])
+        bt = np.zeros((size, bucket.width), np.int32)
+        bt[:n, :width] = named[BLOCK_TABLES]
+        bt[n:, 0] = pad // bs
+        lens = np.ones(size, np.int32)
+        lens[:n] = named[SEQ_LENS]
+        for name, arr in ((self.meta["input_ids"], ids), (self.meta["position_ids"], pos), (SLOT_MAPPING, slots),
+                          (BLOCK_TABLES, bt), (SEQ_LENS, lens)):
+            bucket.tables[name].update_inplace(arr)
+        self.session.run_with_iobinding(bucket.io, bucket.run)
+        if self.device == "cuda":
+            _check_device_errors()
+        self.graph_steps += 1
+        return bucket.logits.numpy().reshape(size, -1)[:n]
 
     def release(self, seq_id) -> None:
         self.cache.allocator.release(seq_id)
@@ -661,7 +837,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
              return_logits: bool = False, providers: Sequence | None = None, device: str | None = None,
              with_library: bool | None = None, progress: bool | None = False,
              intra_op_threads: int | None = None, forced_tokens: Sequence[Sequence[int]] | None = None,
-             max_step_tokens: int | None = None, cache_on_device: bool | None = None) -> list[Generation]:
+             max_step_tokens: int | None = None, cache_on_device: bool | None = None,
+             cuda_graph: bool | None = None) -> list[Generation]:
     """Greedy decoding of a batch of prompts of different lengths.
 
     A paged model (``ort-ops rewrite`` output) runs on the paged KV cache: all prompts are
@@ -690,6 +867,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
         cache_on_device: keep the KV cache on the device between steps (default: on "cuda"
             only): a paged model's as ``PagedRunner`` does, a past/present model's presents
             bound on the device and fed back as past (``DenseRunner``).
+        cuda_graph: paged models on "cuda": decode steps as CUDA graphs (``PagedRunner``;
+            default on).
 
     Returns:
         One Generation per prompt: new tokens (the EOS included when it stopped on it),
@@ -715,8 +894,11 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if meta is not None:
         bs = meta["block_size"]
         need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
+        if device == "cuda" and cuda_graph is not False:
+            need += -(-(GRAPH_BATCH_SIZES[-1] - 1) // bs)  # the decode buckets' padding rows
         runner = PagedRunner(source, num_blocks=num_blocks or need, providers=providers,
-                             cache_on_device=cache_on_device, intra_op_threads=intra_op_threads)
+                             cache_on_device=cache_on_device, intra_op_threads=intra_op_threads,
+                             cuda_graph=cuda_graph)
         results = _greedy_paged(runner, prompts, max_new_tokens, eos, return_logits, progress, forced_tokens,
                                 max_step_tokens)
     else:

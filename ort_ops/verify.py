@@ -129,7 +129,8 @@ def _bfloat16_runnable(src, device: str):
 
 
 def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_token_id=None,
-           seed: int = 0, progress: bool | None = False, device: str | None = None, providers=None) -> dict:
+           seed: int = 0, progress: bool | None = False, device: str | None = None, providers=None,
+           cuda_graph: bool | None = None) -> dict:
     """Runs both models on the same prompts; returns the report as a dict (``--json`` prints it).
 
     Args:
@@ -140,6 +141,7 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         device / providers: where both models run ("cpu" | "cuda", ``runtime.resolve_device``):
             the original on stock onnxruntime on that EP, the rewritten one on the paged runtime
             (its cache on the GPU on "cuda").
+        cuda_graph: the rewritten model's decode steps as CUDA graphs on "cuda" (default on).
 
     Returns:
         {"overall": {...}, "prompts": [{...}, ...], "rewritten_interface": "paged" | "dense"}.
@@ -171,9 +173,9 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
         a = generate(src_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                      return_logits=True, with_library=False, progress=progress, providers=providers)
     forced = generate(src_rew, prompts, forced_tokens=[x.tokens for x in a], return_logits=True,
-                      progress=progress, providers=providers)
+                      progress=progress, providers=providers, cuda_graph=cuda_graph)
     b = generate(src_rew, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                 progress=progress, providers=providers)
+                 progress=progress, providers=providers, cuda_graph=cuda_graph)
     reports = []
     for p, x, t, y in zip(prompts, a, forced, b):
         r = compare(x, t, y, eos_token_id)

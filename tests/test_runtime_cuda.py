@@ -56,6 +56,39 @@ def test_cuda_steps_equal_cpu_steps_with_the_cache_on_the_gpu(rng):
     assert [v.data_ptr() for layer in gpu.cache.values for v in layer] == ptrs  # written in place
 
 
+def test_cuda_graph_decode_steps_equal_steps_run_node_by_node(rng):
+    """Decode steps in padded buckets, captured as CUDA graphs and replayed, give the logits of
+    the same steps run node by node (to the GEMMs' choice of algorithm for the padded row count),
+    across a prefill joining the batch, a sequence leaving it and a one-token prompt filling a
+    bucket; each bucket is its own graph."""
+    prompts = [list(rng.integers(3, 64, n)) for n in (3, 10, 17, 40)]
+
+    def run(r):
+        out = [r.step({i: p for i, p in enumerate(prompts[:3])})]
+        for t in range(5):  # bucket 4: a regular Run, the capture, then replays
+            out.append(r.step({0: [5 + t], 1: [6 + t], 2: [7 + t]}))
+        r.release(1)
+        out.append(r.step({0: [20], 2: [21], 3: prompts[3]}))  # a prefill joins: an ordinary Run
+        for t in range(4):  # bucket 4 with a wider block table
+            out.append(r.step({0: [22 + t], 2: [23 + t], 3: [24 + t]}))
+        out.append(r.step({0: [30], 2: [31], 3: [32], 4: [7]}))  # a one-token prompt fills the bucket
+        out.append(r.step({0: [33]}))  # bucket 1
+        out.append(r.step({0: [34]}))
+        out.append(r.step({0: [35]}))
+        return out
+
+    plain = PagedRunner(_paged_model(CUDA_BLOCK), num_blocks=40, providers=CUDA_FP32, cuda_graph=False)
+    graph = PagedRunner(_paged_model(CUDA_BLOCK), num_blocks=40, providers=CUDA_FP32)
+    assert graph.cuda_graph, graph.graph_note
+    assert not plain.cuda_graph and plain.graph_steps == 0
+    for a, b in zip(run(plain), run(graph)):
+        assert a.shape == b.shape and np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, atol=1e-3, rtol=0)
+        np.testing.assert_array_equal(b.argmax(-1), a.argmax(-1))
+    assert graph.graph_steps == 13 and len(graph._buckets) == 3
+    assert graph.cache.allocator.free_blocks < plain.cache.allocator.free_blocks  # scratch set aside
+
+
 def test_cuda_generate_follows_cpu_generate(rng):
     prompts = [list(rng.integers(3, 64, n)) for n in (4, 9, 15, 2)]
     ref = generate(_paged_model(CUDA_BLOCK), prompts, max_new_tokens=8, return_logits=True)

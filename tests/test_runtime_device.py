@@ -53,6 +53,40 @@ def test_device_binding_path_equals_host_path(rng):
     assert dev.cache.nbytes == host.cache.nbytes
 
 
+def test_decode_buckets_equal_the_device_path(rng):
+    """cuda_graph=True on the CPU EP runs decode steps in the fixed-shape buckets that CUDA
+    captures (tables padded to the bucket's rows and a power-of-two width, padding rows on
+    scratch blocks): the logits and every live block of the caches equal the unpadded steps'."""
+    prompts = [list(rng.integers(3, 64, n)) for n in (3, 10, 17, 6)]
+    plain = PagedRunner(_paged_model(), num_blocks=16, cache_on_device=True)
+    bucketed = PagedRunner(_paged_model(), num_blocks=16, cache_on_device=True, cuda_graph=True,
+                           graph_batch_sizes=(1, 2, 4, 8))
+    assert bucketed.cuda_graph and not plain.cuda_graph
+    out_plain, out_bucketed = _steps(plain, prompts), _steps(bucketed, prompts)
+    out_plain.append(plain.step({0: [15], 2: [16], 3: [17], 9: [3]}))  # a one-token prompt with decodes
+    out_bucketed.append(bucketed.step({0: [15], 2: [16], 3: [17], 9: [3]}))
+    for a, b in zip(out_plain, out_bucketed):
+        np.testing.assert_array_equal(a, b)
+    # decode steps of 3, 2, 3 and 4 sequences: buckets of 4 and 2 rows
+    assert bucketed.graph_steps == 4 and sorted(s for s, _ in bucketed._buckets) == [2, 4]
+    # the scratch block (7 padding rows of block size 8: one) is never given to a sequence
+    scratch = set(range(16)) - set(bucketed.cache.allocator._free) - {
+        b for t in bucketed.cache.allocator.tables.values() for b in t}
+    assert len(scratch) == 1 and bucketed.cache.allocator.free_blocks == plain.cache.allocator.free_blocks - 1
+    live = sorted({b for t in plain.cache.allocator.tables.values() for b in t})
+    assert live == sorted({b for t in bucketed.cache.allocator.tables.values() for b in t})
+    for layer in range(plain.meta["num_layers"]):
+        for x, y in zip(plain.cache.layer_arrays(layer), bucketed.cache.layer_arrays(layer)):
+            np.testing.assert_array_equal(x[live], y[live])
+
+
+def test_decode_buckets_need_a_device_cache():
+    with pytest.raises(ValueError, match="cuda_graph runs on a cache that lives on the device"):
+        PagedRunner(_paged_model(), num_blocks=8, cuda_graph=True)
+    with pytest.raises(ValueError, match="graph_batch_sizes must be positive"):
+        PagedRunner(_paged_model(), num_blocks=8, cache_on_device=True, cuda_graph=True, graph_batch_sizes=(0, 4))
+
+
 def test_device_path_writes_only_new_slots(rng):
     runner = PagedRunner(_paged_model(), num_blocks=8, cache_on_device=True)
     runner.step({"a": list(rng.integers(3, 64, 11))})
