@@ -119,10 +119,15 @@ def model_dims(path: str) -> dict:
 
     m = onnx.load(path, load_external_data=False)
     ins = {i.name: i for i in m.graph.input}
-    # past_key_values.{i}.key (torch.onnx dynamo) or past_key_values.layers.{i}.keys (transformers' exporter)
-    past = sorted(n for n in ins if n.startswith("past_key_values.") and n.endswith((".key", ".keys")))
+    # The past keys: past_key_values.{i}.key (torch.onnx dynamo), past_key_values.layers.{i}.keys
+    # (transformers' exporter), or other spellings: the rank-4 inputs named for keys.
+    past = sorted(n for n, i in ins.items() if len(i.type.tensor_type.shape.dim) == 4
+                  and "key" in n.lower().replace("past_key_values", "past") and "value" not in n.lower().split(".")[-1])
+    if not past:
+        raise ValueError(f"bench_generate_cuda: no past key inputs in {path} (inputs: {sorted(ins)[:8]})")
     t = ins[past[0]].type.tensor_type
-    dims = [d.dim_value for d in t.shape.dim]
+    # transformers' exporter writes fixed sizes as dim_param strings ("2", "64")
+    dims = [d.dim_value or (int(d.dim_param) if d.dim_param.isdigit() else 0) for d in t.shape.dim]
     logits = next(o for o in m.graph.output if o.name == "logits")
     vocab = logits.type.tensor_type.shape.dim[2].dim_value
     return {"layers": len(past), "kv_heads": dims[1], "head_dim": dims[3], "vocab": vocab,

@@ -368,8 +368,15 @@ class PagedRunner:
         if self.device == "cuda":
             _require_cuda_library()
         self.meta = meta
-        self.cache = cache or PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks,
-                                           device=self.device if on_device else None)
+        want_graphs = (self.device == "cuda") if cuda_graph is None else bool(cuda_graph)
+        self._graph_sizes = sorted({int(b) for b in graph_batch_sizes})
+        if want_graphs and (not self._graph_sizes or self._graph_sizes[0] < 1):
+            raise ValueError(f"ort_ops.runtime: graph_batch_sizes must be positive, got {list(graph_batch_sizes)}")
+        # A cache made here gets the decode buckets' scratch blocks on top of num_blocks; a given
+        # cache gives them from its free blocks.
+        scratch_blocks = -(-(self._graph_sizes[-1] - 1) // meta["block_size"]) if want_graphs else 0
+        self.cache = cache or PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"],
+                                           num_blocks + scratch_blocks, device=self.device if on_device else None)
         if self.cache.block_size != meta["block_size"]:
             raise ValueError(f"ort_ops.runtime: cache block size {self.cache.block_size} != the model's "
                              f"{meta['block_size']}")
@@ -378,7 +385,6 @@ class PagedRunner:
             raise ValueError(f"ort_ops.runtime: the cache lives on {self.cache.device or 'the host (numpy)'} but "
                              f"this runner needs it on {want or 'the host (numpy)'}")
         source = model if isinstance(model, (str, bytes)) else _load_proto(model)
-        want_graphs = (self.device == "cuda") if cuda_graph is None else bool(cuda_graph)
         if want_graphs and not on_device:
             raise ValueError("ort_ops.runtime: cuda_graph runs on a cache that lives on the device "
                              "(cache_on_device=True)")
@@ -412,15 +418,12 @@ class PagedRunner:
             self._step_values: list = []  # the bound tables, alive until the next step rebinds them
         self._plain_run = None
         self._buckets: dict = {}  # (sequences, block-table width) -> _DecodeBucket
-        self._graph_sizes = sorted({int(b) for b in graph_batch_sizes})
         self.graph_steps = 0  # steps that ran in a bucket (captured or replayed on "cuda")
         if want_graphs:
-            if not self._graph_sizes or self._graph_sizes[0] < 1:
-                raise ValueError(f"ort_ops.runtime: graph_batch_sizes must be positive, got {list(graph_batch_sizes)}")
             alloc = self.cache.allocator
             pad_rows = self._graph_sizes[-1] - 1
             try:
-                scratch = alloc.set_aside(-(-pad_rows // alloc.block_size)) if pad_rows else []
+                scratch = alloc.set_aside(scratch_blocks)
             except RuntimeError:
                 want_graphs = False
                 self.graph_note = "no free cache block for the padding rows of decode buckets"
@@ -528,10 +531,23 @@ class PagedRunner:
         # Rebinding by name replaces last step's logits (whose shape differs) with an empty value
         # that ORT allocates in host memory: the logits are all that comes back.
         io.bind_output(self.logits_name, "cpu")
-        self.session.run_with_iobinding(io, self._plain_run)
+        self._run_checked(io, self._plain_run)
+        return io.get_outputs()[-1].numpy()
+
+    def _run_checked(self, io, run_options) -> None:
+        """One Run, then what a CUDA op found wrong on the device (a bad table value) as the op's
+        one-line ValueError. An op that finds an earlier launch's report at its next Compute
+        fails the Run itself; that failure is raised the same way."""
+        try:
+            self.session.run_with_iobinding(io, run_options)
+        except RuntimeError as e:
+            if self.device == "cuda":
+                _check_device_errors()
+                if "found on the device" in str(e):
+                    raise ValueError(str(e).split("Status Message: ", 1)[-1].strip()) from None
+            raise
         if self.device == "cuda":
             _check_device_errors()
-        return io.get_outputs()[-1].numpy()
 
     # --- decode buckets (CUDA graphs) ---
 
@@ -608,9 +624,7 @@ class PagedRunner:
         for name, arr in ((self.meta["input_ids"], ids), (self.meta["position_ids"], pos), (SLOT_MAPPING, slots),
                           (BLOCK_TABLES, bt), (SEQ_LENS, lens)):
             bucket.tables[name].update_inplace(arr)
-        self.session.run_with_iobinding(bucket.io, bucket.run)
-        if self.device == "cuda":
-            _check_device_errors()
+        self._run_checked(bucket.io, bucket.run)
         self.graph_steps += 1
         return bucket.logits.numpy().reshape(size, -1)[:n]
 
@@ -894,8 +908,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 3
     if meta is not None:
         bs = meta["block_size"]
         need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
-        if device == "cuda" and cuda_graph is not False:
-            need += -(-(GRAPH_BATCH_SIZES[-1] - 1) // bs)  # the decode buckets' padding rows
         runner = PagedRunner(source, num_blocks=num_blocks or need, providers=providers,
                              cache_on_device=cache_on_device, intra_op_threads=intra_op_threads,
                              cuda_graph=cuda_graph)
