@@ -292,6 +292,24 @@ def _session(model, providers: Sequence, with_library: bool, intra_op_threads: i
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
+# Block-table widths of decode buckets: powers of two up to this many tokens a sequence, then
+# multiples of it. A bucket's kernels are sized from its width (the attention grid covers width x
+# block size tokens, the splits past a sequence's length exit at once), so the rounding bounds the
+# idle part of the grid (below 2x, then below 1024 tokens), and a growing context gets a new
+# bucket (two ordinary Runs, then the capture) every 1024 tokens at most.
+_WIDTH_STEP_TOKENS = 1024
+
+
+def _bucket_width(width: int, block_size: int) -> int:
+    """The block-table width of the bucket that takes tables ``width`` blocks wide."""
+    tokens = width * block_size
+    if tokens <= _WIDTH_STEP_TOKENS:
+        rounded = 1 << max(tokens - 1, 0).bit_length()
+    else:
+        rounded = -(-tokens // _WIDTH_STEP_TOKENS) * _WIDTH_STEP_TOKENS
+    return max(width, -(-rounded // block_size))
+
+
 def _with_cuda_graph(providers: Sequence) -> list:
     """``providers`` with ORT's CUDA graph capture turned on in the CUDA EP's options."""
     out = []
@@ -604,9 +622,7 @@ class PagedRunner:
         n = named[SEQ_LENS].shape[0]
         width = named[BLOCK_TABLES].shape[1]
         size = next(b for b in self._graph_sizes if b >= n)
-        # Widths in powers of two: a few buckets cover growing contexts, the grid (sized from the
-        # width) at most twice the longest context's.
-        bucket = self._bucket(size, 1 << max(width - 1, 0).bit_length())
+        bucket = self._bucket(size, _bucket_width(width, self.cache.allocator.block_size))
         if bucket is None:
             return None
         pad = self._pad_slots[:size - n]

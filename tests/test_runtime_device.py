@@ -82,6 +82,24 @@ def test_decode_buckets_equal_the_device_path(rng):
             np.testing.assert_array_equal(x[live], y[live])
 
 
+def test_bucket_widths_bound_the_idle_grid():
+    """Decode buckets' block-table widths: at least the step's, powers of two up to 1024 tokens,
+    then multiples of 1024 tokens (the attention grid covers width x block size tokens)."""
+    from ort_ops.runtime import _bucket_width
+
+    for bs in (16, 32, 64, 128):
+        prev = 0
+        for width in range(1, 400):
+            got, tokens = _bucket_width(width, bs), width * bs
+            assert got >= width and got >= prev  # covers the table; never narrower for a longer one
+            if tokens <= 1024:
+                assert got * bs == 1 << (tokens - 1).bit_length() or (got == width and bs > 1024)
+            else:
+                assert got * bs - tokens < 1024 + bs and (got * bs) % 1024 == 0, (bs, width, got)
+            prev = got
+    assert _bucket_width(65, 64) == 80  # 4160 tokens -> 5120, not 8192
+
+
 def test_decode_buckets_need_a_device_cache():
     with pytest.raises(ValueError, match="cuda_graph runs on a cache that lives on the device"):
         PagedRunner(_paged_model(), num_blocks=8, cuda_graph=True)
