@@ -28,7 +28,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     _status(args, "rewriting")
     model, results = rewrite_model(model, None, block_size=args.block_size, pv_quant=args.pv_quant,
                                    qk_quant=args.qk_quant, attention=args.attention, moe=args.moe,
-                                   moe_weight_layout=args.moe_weight_layout)
+                                   moe_weight_layout=args.moe_weight_layout, norms=args.norms)
     _status(args, f"writing {args.output}")
     save_model(model, args.output)
     report = {
@@ -204,6 +204,7 @@ def register(sub) -> None:
     rw.add_argument("--qk-quant", choices=("s8", "none"), default="s8", help="Q.K quantization (default s8)")
     _bool_flag(rw, "attention", "run the attention fusion (default on)")
     _bool_flag(rw, "moe", "run the MoE fusion (default on)")
+    _bool_flag(rw, "norms", "fuse RMSNorm chains into ORT's SimplifiedLayerNormalization (default on)")
     rw.add_argument("--moe-weight-layout", choices=("EKN", "ENK", "EN16K4"), default="EKN",
                     help="how the MoE expert weights are stored: EKN [E, H, 2I] (default; fastest on "
                          "CPU without AMX and pre-Hopper GPUs), ENK: gate/up [E, 2I, H], transposed offline for "

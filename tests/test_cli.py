@@ -17,7 +17,7 @@ def test_rewrite_then_verify(tmp_path, capsys):
     out = tmp_path / "out.onnx"
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["fused"] == {"moe": 0, "attention": 2}
+    assert report["fused"] == {"moe": 0, "attention": 2, "rmsnorm": 5}  # two norms a layer and the final one
     att = next(r for r in report["results"] if r["kind"] == "attention")
     assert att["details"]["interface"] == "paged" and att["declined"] == []
     assert main(["verify", "--quiet", str(FIXTURE), str(out), "--json", "--max-new-tokens", "16"]) == 0
@@ -32,7 +32,8 @@ def test_rewrite_text_report_and_flags(tmp_path, capsys):
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--block-size", "32", "--pv-quant", "u8"]) == 0
     text = capsys.readouterr().out
     assert "attention: 2 block(s) fused (matmul: 2), interface: paged" in text
-    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-attention", "--json"]) == 0
+    assert "rmsnorm: 5 block(s) fused" in text
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-attention", "--no-norms", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fused"] == {"moe": 0}
 
 

@@ -74,7 +74,7 @@ def save_model(model, path) -> None:
 
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
-                  attention: bool = True, moe: bool = True, moe_weight_layout: str = "EKN"):
+                  attention: bool = True, moe: bool = True, moe_weight_layout: str = "EKN", norms: bool = True):
     """Runs the fusions on a model.
 
     Args:
@@ -84,6 +84,8 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         pv_quant: P.V quantization of PagedAttentionInt8 ("s8", "u8" or "none").
         qk_quant: Q.K quantization ("s8" or "none").
         attention, moe: which fusions run.
+        norms: RMSNorm chains as ORT's SimplifiedLayerNormalization (one kernel a norm;
+            ort_ops/rewrite/rmsnorm.py).
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
             "EKN" ([E, H, 2I], the default; the fast layout on CPU and pre-Hopper GPUs) or "ENK"
             ([E, 2I, H], transposed offline; the Hopper wgmma kernel's, for prefill-heavy serving
@@ -107,7 +109,7 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
     check_weight_layout(moe_weight_layout)
     m = load_model(model) if isinstance(model, (str, Path)) else model
     options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
-                             attention=attention, moe=moe, moe_weight_layout=moe_weight_layout)
+                             attention=attention, moe=moe, moe_weight_layout=moe_weight_layout, norms=norms)
     results = run_fusions(m, options)
     if output is not None:
         save_model(m, output)

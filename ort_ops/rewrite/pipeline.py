@@ -24,6 +24,7 @@ class RewriteOptions:
     moe: bool = True
     moe_shared_expert: str = "int8"  # int8 (one always-on expert through the MoE GEMMs) | float
     moe_weight_layout: str = "EKN"  # GroupedMatmulSwigluQuant's weight: EKN [E, H, 2I] | ENK [E, 2I, H]
+    norms: bool = True  # RMSNorm chains as ORT's SimplifiedLayerNormalization
 
 
 @dataclasses.dataclass
@@ -36,7 +37,7 @@ class Decline:
 
 @dataclasses.dataclass
 class FusionResult:
-    kind: str  # "attention", "moe"
+    kind: str  # "attention", "moe", "rmsnorm"
     fused: int = 0
     declined: list[Decline] = dataclasses.field(default_factory=list)
     details: dict = dataclasses.field(default_factory=dict)  # per-kind facts (forms matched, bytes, ...)
@@ -50,6 +51,8 @@ FUSIONS: list[tuple[str, str, str]] = [
     # Attention after MoE: a KV-cache model becomes paged (inputs change), and its checks probe
     # the model with the library registered when it already holds ort_ops nodes.
     ("attention", "attention", "ort_ops.rewrite.paged_attention_int8:fuse_paged_attention_int8"),
+    # Norms last: the other fusions match the model as exported (Qwen3's Q/K norms included).
+    ("rmsnorm", "norms", "ort_ops.rewrite.rmsnorm:fuse_rmsnorm"),
 ]
 
 

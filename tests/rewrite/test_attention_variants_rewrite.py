@@ -317,7 +317,28 @@ def _reference_evaluator(model: onnx.ModelProto):
         def run(self, *args, **kwargs):
             return self._run(*args)
 
-    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8])
+    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8, simplified_layer_norm_op()])
+
+
+def simplified_layer_norm_op():
+    """ORT's SimplifiedLayerNormalization (what the RMSNorm fusion writes) for onnx's
+    ReferenceEvaluator: x / sqrt(mean(x^2 over the last axis) + epsilon) * scale, in float32."""
+    from onnx.reference.op_run import OpRun
+
+    class SimplifiedLayerNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, scale):
+            a = {att.name: onnx.helper.get_attribute_value(att) for att in self.onnx_node.attribute}
+            assert a.get("axis", -1) in (-1, x.ndim - 1) and a.get("stash_type", 1) == 1, a
+            x32 = x.astype(np.float32)
+            inv = 1.0 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(a.get("epsilon", 1e-5)))
+            return ((x32 * inv * scale.astype(np.float32)).astype(x.dtype),)
+
+        def run(self, *args, **kwargs):
+            return self._run(*args)
+
+    return SimplifiedLayerNormalization
 
 
 def _paged_prefill_logits(model: onnx.ModelProto, prompts: list[list[int]], block_size: int = 16) -> np.ndarray:
