@@ -215,12 +215,16 @@ def rewrite_to_qmoe(src, dst, bits: int = 8, *, probe_ids: np.ndarray | None = N
     return report
 
 
-def node_providers(model, op_type: str, providers, feeds: dict) -> list[str]:
-    """The execution providers that ran each ``op_type`` node in one Run of ``model`` on ``feeds``
-    (from onnxruntime's profile: a node the CUDA EP does not take falls back to the CPU EP without
-    an error, and this is how a row tells)."""
+def node_providers(model, op_type: str, providers, tokens: int = 8) -> list[str]:
+    """The execution providers that ran each ``op_type`` node of ``model`` in one Run on a
+    ``tokens``-token prompt with an empty cache (onnxruntime's profile says; a node the CUDA EP does
+    not take falls back to the CPU EP without an error, and this is how a row tells)."""
+    import onnx_ir as ir
     import onnxruntime as ort
 
+    from ort_ops.rewrite import moe
+
+    feeds = moe._probe_inputs(ir.load(str(model)).graph, tokens, np.random.default_rng(0))
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.log_severity_level = 3
