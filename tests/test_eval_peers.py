@@ -213,3 +213,28 @@ def test_eval_row_says_when_the_device_cannot_run_it(tmp_path):
     assert res["error"].startswith("does not run on --device cuda: ") and "40" not in res
     table = ev.format_table({"windows": 2, "score": 6, "device": "cuda", "models": {"moe": {"peer x": res}}}, [40])
     assert "| peer x | does not run on --device cuda: " in table
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fixture_qmoe_on_the_cuda_ep(fixture_runs, bits):
+    """With onnxruntime-gpu: the rewritten fixture on a CUDA EP session. Where the CUDA EP takes
+    the QMoE node, its logits stay within the bits' rounding of the float original (full fp32, no
+    TF32); where it does not, ORT runs the node on the CPU EP, which the eval's row reports, and
+    this test skips naming the EP that ran it."""
+    import onnxruntime as ort
+
+    from ort_ops.runtime import DenseRunner
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
+    cuda = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    dst, _ = fixture_runs["mixtral_dynamo_batched", bits]
+    ran_on = peers_ort.node_providers(dst, "QMoE", cuda)
+    if ran_on != ["CUDAExecutionProvider"]:
+        pytest.skip(f"the CUDA EP did not take the float32 QMoE node: it ran on {ran_on}")
+    ids = np.load(MOE_FIXTURES / "mixtral_dynamo_batched.npz")["input_ids"]
+    mask = np.ones_like(ids)
+    got = DenseRunner(str(dst), providers=cuda).run(ids, mask, None)[0]
+    ref = DenseRunner(str(MOE_FIXTURES / "mixtral_dynamo_batched.onnx")).run(ids, mask, None)[0]
+    assert np.all(np.isfinite(got)) and ml.relative_l2(got, ref) <= QMOE_PEER_LOGITS_REL_L2[bits]
