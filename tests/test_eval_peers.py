@@ -213,6 +213,12 @@ def test_eval_row_says_when_the_device_cannot_run_it(tmp_path):
     assert res["error"].startswith("does not run on --device cuda: ") and "40" not in res
     table = ev.format_table({"windows": 2, "score": 6, "device": "cuda", "models": {"moe": {"peer x": res}}}, [40])
     assert "| peer x | does not run on --device cuda: " in table
+    # A QMoE node the CUDA EP left to the CPU EP: scored, and the row names the EP that ran it.
+    fell_back = {"provider": ["CPUExecutionProvider"], "40": {"ppl": 2.0, "delta_pct": 0.1, "delta_nll_se": 0.001}}
+    table = ev.format_table({"windows": 2, "score": 6, "device": "cuda", "models": {"moe": {"peer y": fell_back}}}, [40])
+    assert "| peer y [QMoE ran on CPUExecutionProvider] | 2.000 (+0.10 % +- 0.10) |" in table
+    table = ev.format_table({"windows": 2, "score": 6, "device": "cpu", "models": {"moe": {"peer y": fell_back}}}, [40])
+    assert "| peer y | 2.000" in table
 
 
 @pytest.mark.cuda
