@@ -50,6 +50,9 @@ a whole model, and the emulations stay selectable; rows say "(ORT op)" or "(emul
                      CUDA EP does not take runs on the CPU EP and the row names that EP; a model
                      the session cannot run gives a row saying so. The shared expert of
                      moe_shared stays float (QMoE does not hold one).
+  qmoe8 fp16,        the same node on float16 activations (Casts around it, float16 scales):
+  qmoe4 fp16         the type ORT's CUDA QMoE kernel is registered for in some onnxruntime-gpu
+                     versions, where the float32 node would fall back to the CPU EP;
   qmoe8 emulated,    QMoE's weight rounding applied to the float graph's stacked expert weights
   qmoe4 emulated     ([E, out, in], ``graphs/moe.py::_qmoe_codes``'s rule), activations float;
   gqa-int8 tensor    GroupQueryAttention with an INT8 KV cache, k/v_quant_type PER_TENSOR,
@@ -97,9 +100,13 @@ PEERS: dict[str, tuple[str, object, str]] = {
     "gqa-int8 channel": ("kv", "channel", "emulated"),
     "qmoe8": ("moe", 8, "ort"),
     "qmoe4": ("moe", 4, "ort"),
+    "qmoe8 fp16": ("moe", 8, "ort"),
+    "qmoe4 fp16": ("moe", 4, "ort"),
     "qmoe8 emulated": ("moe", 8, "emulated"),
     "qmoe4 emulated": ("moe", 4, "emulated"),
 }
+# The activations of the ORT-op peers' nodes (float32 unless named here).
+PEER_ACTIVATIONS = {"qmoe8 fp16": "float16", "qmoe4 fp16": "float16"}
 DEFAULT_PEERS = ("gqa-int8 tensor", "gqa-int8 channel", "qmoe8", "qmoe4")
 # The report's row for each peer: real ops and emulations never share a name.
 PEER_ROWS = {
@@ -107,6 +114,8 @@ PEER_ROWS = {
     "gqa-int8 channel": "peer GQA INT8 per channel (emulated)",
     "qmoe8": "peer QMoE 8-bit (ORT op)",
     "qmoe4": "peer QMoE 4-bit (ORT op)",
+    "qmoe8 fp16": "peer QMoE 8-bit, float16 activations (ORT op)",
+    "qmoe4 fp16": "peer QMoE 4-bit, float16 activations (ORT op)",
     "qmoe8 emulated": "peer QMoE 8-bit (emulated)",
     "qmoe4 emulated": "peer QMoE 4-bit (emulated)",
 }
@@ -329,7 +338,7 @@ def run_ort_peer(path: Path, label: str, tmp: Path, models_dir: Path, stream: np
     head = models_dir / "train_tokens_head.npy"
     probe_ids = np.load(head)[:512] if head.is_file() else None
     out = tmp / f"{path.stem}.{label.replace(' ', '_')}.onnx"
-    rep = rewrite_to_qmoe(path, out, bits, probe_ids=probe_ids)
+    rep = rewrite_to_qmoe(path, out, bits, probe_ids=probe_ids, activations=PEER_ACTIVATIONS.get(label, "float32"))
     if not rep["blocks"]:
         return None
     res = {"emulated": False, "op": "com.microsoft.QMoE", "blocks": len(rep["blocks"]),

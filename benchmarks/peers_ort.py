@@ -17,7 +17,10 @@ nodes against the float MoE of the dequantized weights, ``tests/test_eval_peers.
   activation_type "swiglu", swiglu_fusion 1 (fc1's rows interleaved: gate rows even, up rows odd),
   activation_alpha 1, activation_beta 0, no swiglu_limit: SiLU(gate) * up; expert_weight_bits 8
   or 4 (pack 1 or 2, even element in the low nibble); no block_size: one scale per output channel,
-  symmetric, zero point 128 / 8 (``graphs/moe.py::_qmoe_codes``). Activations stay float32.
+  symmetric, zero point 128 / 8 (``graphs/moe.py::_qmoe_codes``). Activations stay float32, or
+  with ``activations="float16"`` the node runs on float16 (Casts of x, the logits and
+  router_weights in front, of the output back to float32; scales stored float16), the type
+  ORT's CUDA QMoE kernel is registered for in some onnxruntime-gpu versions.
 
 Routing: QMoE takes the router *logits* and applies softmax and top-k itself. The block's routing
 as the MoE rewrite read it maps onto the node as
@@ -116,20 +119,37 @@ def _fc_weights(block, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     return q1, s1, q2, s2
 
 
-def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int) -> tuple[int, str]:
+def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int,
+               activations: str = "float32") -> tuple[int, str]:
     """Inserts the QMoE node (and a Reshape back to the hidden state's shape when the block's output
-    had it) and redirects the block output's users to it. Returns (bytes of codes and scales, name)."""
+    had it) and redirects the block output's users to it. ``activations`` "float16" puts Casts of
+    x, the logits and router_weights to float16 in front, stores the scales in float16 (the node's
+    T2 as its T) and Casts the output back to float32. Returns (bytes of codes and scales, name)."""
     import onnx_ir as ir
 
     from ort_ops.rewrite import moe
 
     graph = model.graph
     cand = block.cand
-    prefix = f"qmoe{bits}/{cand.topk.name or 'block'}"
+    prefix = f"qmoe{bits}{'_fp16' if activations == 'float16' else ''}/{cand.topk.name or 'block'}"
     q1, s1, q2, s2 = _fc_weights(block, bits)
+    if activations == "float16":
+        s1, s2 = s1.astype(np.float16), s2.astype(np.float16)
     inits = [moe._initializer(graph, f"{prefix}/{n}", a)
              for n, a in (("fc1", q1), ("fc1_scales", s1), ("fc2", q2), ("fc2_scales", s2))]
-    ins = [cand.x, logits, inits[0], inits[1], None, inits[2], inits[3]]
+    nodes = []
+
+    def cast(v, to, tag):
+        n = ir.node("Cast", [v], {"to": int(to)}, name=f"{prefix}/Cast_{tag}")
+        n.outputs[0].name = f"{prefix}/Cast_{tag}_0"
+        nodes.append(n)
+        return n.outputs[0]
+
+    x = cand.x
+    if activations == "float16":
+        x, logits = cast(x, ir.DataType.FLOAT16, "x"), cast(logits, ir.DataType.FLOAT16, "logits")
+        probs = None if probs is None else cast(probs, ir.DataType.FLOAT16, "router_weights")
+    ins = [x, logits, inits[0], inits[1], None, inits[2], inits[3]]
     if probs is not None:
         ins += [None] * 7 + [probs]                      # router_weights is input 14
     node = ir.node("QMoE", ins, {"k": cand.k, "normalize_routing_weights": normalize,
@@ -137,7 +157,10 @@ def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int) -> tuple[
                                  "activation_beta": 0.0, "expert_weight_bits": bits},
                    domain="com.microsoft", name=f"{prefix}/QMoE")
     node.outputs[0].name = f"{prefix}/QMoE_0"
-    nodes, out = [node], node.outputs[0]
+    nodes.append(node)
+    out = node.outputs[0]
+    if activations == "float16":
+        out = cast(out, ir.DataType.FLOAT, "out")
     if block.reshape_to_hidden:
         shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
         rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
@@ -149,9 +172,12 @@ def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int) -> tuple[
     return sum(a.nbytes for a in (q1, s1, q2, s2)), node.name
 
 
-def rewrite_to_qmoe(src, dst, bits: int = 8, *, probe_ids: np.ndarray | None = None) -> dict:
+def rewrite_to_qmoe(src, dst, bits: int = 8, *, probe_ids: np.ndarray | None = None,
+                    activations: str = "float32") -> dict:
     """Writes ``src`` (an exported float32 model) to ``dst`` with every MoE block the MoE rewrite
-    proves replaced by a ``com.microsoft`` ``QMoE`` node of ``bits``-bit expert weights.
+    proves replaced by a ``com.microsoft`` ``QMoE`` node of ``bits``-bit expert weights, on float32
+    activations or, with ``activations="float16"``, on float16 ones (Casts around the node: the
+    type ORT's CUDA QMoE kernels are registered for in some versions).
 
     Returns {"blocks": [{where, experts, top_k, routing, normalize_routing_weights,
     router_weights, weight_bytes_before, weight_bytes_after}], "declined": [{where, reason}]};
@@ -165,6 +191,8 @@ def rewrite_to_qmoe(src, dst, bits: int = 8, *, probe_ids: np.ndarray | None = N
 
     if bits not in QMOE_BITS:
         raise ValueError(f"rewrite_to_qmoe: bits must be one of {QMOE_BITS}, got {bits}")
+    if activations not in ("float32", "float16"):
+        raise ValueError(f"rewrite_to_qmoe: activations must be float32 or float16, got {activations!r}")
     src = Path(src)
     if not src.is_file():
         raise FileNotFoundError(f"rewrite_to_qmoe: model '{src}' does not exist")
@@ -202,10 +230,12 @@ def rewrite_to_qmoe(src, dst, bits: int = 8, *, probe_ids: np.ndarray | None = N
     for block, logits, probs in done:
         c = block.cand
         normalize, with_probs = QMOE_ROUTING[c.routing]
-        nbytes, name = _emit_qmoe(model, block, bits, logits, probs if with_probs else None, normalize)
+        nbytes, name = _emit_qmoe(model, block, bits, logits, probs if with_probs else None, normalize,
+                                  activations)
         report["blocks"].append({
             "where": c.topk.name, "node": name, "experts": c.num_experts, "top_k": c.k, "routing": c.routing,
             "normalize_routing_weights": normalize, "router_weights": with_probs, "bits": bits,
+            "activations": activations,
             "weight_bytes_before": sum(a.nbytes for a in (block.w.w_gate, block.w.w_up, block.w.w_down)),
             "weight_bytes_after": nbytes})
     if done:

@@ -24,6 +24,7 @@ from graphs.moe import _qmoe_codes, build_contrib_moe, build_moe
 from ort_ops.ops import moe_layer as ml
 from tests.tolerances import (
     MOE_FLOAT_VS_REFERENCE_RTOL,
+    QMOE_PEER_FP16_VS_DEQUANTIZED_FLOAT_REL_L2,
     QMOE_PEER_LOGITS_REL_L2,
     QMOE_PEER_VS_DEQUANTIZED_FLOAT_ATOL,
 )
@@ -123,9 +124,11 @@ def fixture_runs(tmp_path_factory):
     for name in ("mixtral_dynamo_batched", "qwen2moe_dynamo_shared"):
         probe_ids = np.load(MOE_FIXTURES / f"{name}.npz")["input_ids"].reshape(-1)
         for bits in (8, 4):
-            dst = tmp / f"{name}.qmoe{bits}.onnx"
-            out[name, bits] = dst, peers_ort.rewrite_to_qmoe(MOE_FIXTURES / f"{name}.onnx", dst, bits,
-                                                             probe_ids=probe_ids)
+            for act in ("float32", "float16"):
+                dst = tmp / f"{name}.qmoe{bits}.{act}.onnx"
+                key = (name, bits) if act == "float32" else (name, bits, act)
+                out[key] = dst, peers_ort.rewrite_to_qmoe(MOE_FIXTURES / f"{name}.onnx", dst, bits,
+                                                          probe_ids=probe_ids, activations=act)
     return out
 
 
@@ -156,6 +159,30 @@ def test_fixture_logits(fixture_runs, tmp_path, name, routing, bits):
         assert np.abs(got - want).max() <= QMOE_PEER_VS_DEQUANTIZED_FLOAT_ATOL
         assert ml.relative_l2(got, ref) <= QMOE_PEER_LOGITS_REL_L2[bits]
     assert ml.relative_l2(got, ref) > 0   # the expert weights the model computes with did change
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("name", ["mixtral_dynamo_batched", "qwen2moe_dynamo_shared"])
+def test_fixture_logits_float16_activations(fixture_runs, tmp_path, name, bits):
+    """activations="float16": the QMoE node reads float16 (Casts of x, logits and, for Qwen2-MoE,
+    router_weights) and the model's logits stay within float16's rounding of the float graph
+    holding the same dequantized weights."""
+    from ort_ops.runtime import DenseRunner
+
+    dst, rep = fixture_runs[name, bits, "float16"]
+    assert len(rep["blocks"]) == 1 and rep["blocks"][0]["activations"] == "float16"
+    m = onnx.load(str(dst))
+    producers = {o: n for n in m.graph.node for o in n.output}
+    (qmoe,) = [n for n in m.graph.node if n.op_type == "QMoE"]
+    fed = [producers[i] for i in (qmoe.input[0], qmoe.input[1], *qmoe.input[14:]) if i]
+    assert all(n.op_type == "Cast" and n.attribute[0].i == onnx.TensorProto.FLOAT16 for n in fed)
+    emu, _ = ev.emulate_qmoe(MOE_FIXTURES / f"{name}.onnx", tmp_path / "emu.onnx", bits, 4)
+    ids = np.load(MOE_FIXTURES / f"{name}.npz")["input_ids"]
+    for prompt in (ids, ids[:, :1]):
+        got = DenseRunner(str(dst)).run(prompt, np.ones_like(prompt), None)[0]
+        want = DenseRunner(str(emu)).run(prompt, np.ones_like(prompt), None)[0]
+        assert got.dtype == np.float32 and np.all(np.isfinite(got))
+        assert ml.relative_l2(got, want) <= QMOE_PEER_FP16_VS_DEQUANTIZED_FLOAT_REL_L2
 
 
 def test_fixture_qmoe_runs_on_the_cpu_ep(fixture_runs):
@@ -222,8 +249,9 @@ def test_eval_row_says_when_the_device_cannot_run_it(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("activations", ["float32", "float16"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_fixture_qmoe_on_the_cuda_ep(fixture_runs, bits):
+def test_fixture_qmoe_on_the_cuda_ep(fixture_runs, bits, activations):
     """With onnxruntime-gpu: the rewritten fixture on a CUDA EP session. Where the CUDA EP takes
     the QMoE node, its logits stay within the bits' rounding of the float original (full fp32, no
     TF32); where it does not, ORT runs the node on the CPU EP, which the eval's row reports, and
@@ -235,10 +263,11 @@ def test_fixture_qmoe_on_the_cuda_ep(fixture_runs, bits):
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDAExecutionProvider (onnxruntime-gpu not installed)")
     cuda = [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
-    dst, _ = fixture_runs["mixtral_dynamo_batched", bits]
+    key = ("mixtral_dynamo_batched", bits) + (() if activations == "float32" else (activations,))
+    dst, _ = fixture_runs[key]
     ran_on = peers_ort.node_providers(dst, "QMoE", cuda)
     if ran_on != ["CUDAExecutionProvider"]:
-        pytest.skip(f"the CUDA EP did not take the float32 QMoE node: it ran on {ran_on}")
+        pytest.skip(f"the CUDA EP did not take the {activations} QMoE node: it ran on {ran_on}")
     ids = np.load(MOE_FIXTURES / "mixtral_dynamo_batched.npz")["input_ids"]
     mask = np.ones_like(ids)
     got = DenseRunner(str(dst), providers=cuda).run(ids, mask, None)[0]
