@@ -326,8 +326,8 @@ def run_ort_peer(path: Path, label: str, tmp: Path, models_dir: Path, stream: np
                  windows: int, score: int, float_nll: dict, *, threads: int | None = None, device: str = "cpu",
                  float_chunk: int = 0) -> dict | None:
     """A peer as ORT's own op in the whole model (``PEERS[label]`` with "ort"): today QMoE, through
-    ``peers_ort.rewrite_to_qmoe`` (probed on the first 512 training tokens when
-    ``train_tokens_head.npy`` exists, so a trained router's rarely used experts are seen), scored
+    ``peers_ort.rewrite_to_qmoe`` (probed also on the first 512 training tokens when
+    ``train_tokens_head.npy`` exists: experts a trained router picks on text, not on random ids), scored
     like the float original on stock onnxruntime. None when no block was replaced. A model the
     device's session cannot run gives a row with "error" instead of failing the run; "provider"
     names the EP that ran the QMoE nodes (a node the CUDA EP does not take runs on the CPU EP)."""
