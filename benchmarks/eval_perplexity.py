@@ -40,20 +40,28 @@ Greedy agreement (``--agreement N``): ``ort_ops.verify.verify`` of each rewrite 
 original over 4 held-out prompts of 64 tokens, N new tokens each (teacher-forced agreement and
 free-running agreement).
 
-The INT8 options a user has today, by their quantization scheme, emulated in the float graph and
-run on stock onnxruntime (CPU EP, fp32). ORT's CPU EP runs both ops (benchmarks/bench_attention.py
-and bench_moe.py time them as single ops), but no rewrite puts them into a whole exported model
-yet; what their accuracy depends on is the rounding of the stored values, which the emulation
-applies exactly where the ops would (the attention math itself stays float, as in those ops):
+The INT8 options a user has today (``--peers``; the default takes ORT's own op where one runs in
+a whole model, and the emulations stay selectable; rows say "(ORT op)" or "(emulated)"):
 
-  gqa-int8 tensor    GroupQueryAttention with an INT8 KV cache, k/v_quant_type PER_TENSOR: every
-                     present K (V) of a layer stored as clip(rint(x / s), -128, 127) * s with one
-                     scale s = max|x| / 127 per layer, calibrated on training text
+  qmoe8, qmoe4       ORT's com.microsoft.QMoE in the model (benchmarks/peers_ort.py): every MoE
+                     block the ort-ops MoE rewrite proves becomes one QMoE node, 8- or 4-bit
+                     expert weights per output channel, symmetric, activations float; run on
+                     stock onnxruntime on --device's EP like the float original. A QMoE node the
+                     CUDA EP does not take runs on the CPU EP and the row names that EP; a model
+                     the session cannot run gives a row saying so. The shared expert of
+                     moe_shared stays float (QMoE does not hold one).
+  qmoe8 fp16,        the same node on float16 activations (Casts around it, float16 scales):
+  qmoe4 fp16         the type ORT's CUDA QMoE kernel is registered for in some onnxruntime-gpu
+                     versions, where the float32 node would fall back to the CPU EP;
+  qmoe8 emulated,    QMoE's weight rounding applied to the float graph's stacked expert weights
+  qmoe4 emulated     ([E, out, in], ``graphs/moe.py::_qmoe_codes``'s rule), activations float;
+  gqa-int8 tensor    GroupQueryAttention with an INT8 KV cache, k/v_quant_type PER_TENSOR,
+                     emulated (no whole-model rewrite to GQA with a quantized cache exists here;
+                     benchmarks/NOTES_accuracy.md says what it would need): every present K (V) of
+                     a layer stored as clip(rint(x / s), -128, 127) * s with one scale
+                     s = max|x| / 127 per layer, calibrated on training text
                      (``train_tokens_head.npy``: --calib-windows windows of 512 tokens);
-  gqa-int8 channel   the same with PER_CHANNEL scales: one per (kv head, head-dim channel);
-  qmoe8, qmoe4       QMoE's weight-only quantization of the expert weights ([E, out, in], per output
-                     channel, symmetric, ``graphs/moe.py::_qmoe_codes``'s rule), activations float;
-                     the shared expert of moe_shared stays float (QMoE does not hold it).
+  gqa-int8 channel   the same with PER_CHANNEL scales: one per (kv head, head-dim channel).
 
 Benchmarks never assert; the plumbing is tested in tests/test_eval_perplexity.py.
 """
@@ -85,13 +93,34 @@ VARIANTS: dict[str, dict] = {
     "both s8/s8": {"attention": True, "moe": True, "qk_quant": "s8", "pv_quant": "s8"},
     "both s8/u8": {"attention": True, "moe": True, "qk_quant": "s8", "pv_quant": "u8"},
 }
-# label -> (what is quantized, how): the peers' schemes, emulated in the float graph.
-PEERS: dict[str, tuple[str, object]] = {
-    "gqa-int8 tensor": ("kv", "tensor"),
-    "gqa-int8 channel": ("kv", "channel"),
-    "qmoe8": ("moe", 8),
-    "qmoe4": ("moe", 4),
+# label -> (what is quantized, how, "ort" for ORT's own op in the model or "emulated" for its
+# storage rounding in the float graph). The default set takes the real op where one runs.
+PEERS: dict[str, tuple[str, object, str]] = {
+    "gqa-int8 tensor": ("kv", "tensor", "emulated"),
+    "gqa-int8 channel": ("kv", "channel", "emulated"),
+    "qmoe8": ("moe", 8, "ort"),
+    "qmoe4": ("moe", 4, "ort"),
+    "qmoe8 fp16": ("moe", 8, "ort"),
+    "qmoe4 fp16": ("moe", 4, "ort"),
+    "qmoe8 emulated": ("moe", 8, "emulated"),
+    "qmoe4 emulated": ("moe", 4, "emulated"),
 }
+# The activations of the ORT-op peers' nodes (float32 unless named here).
+PEER_ACTIVATIONS = {"qmoe8 fp16": "float16", "qmoe4 fp16": "float16"}
+DEFAULT_PEERS = ("gqa-int8 tensor", "gqa-int8 channel", "qmoe8", "qmoe4")
+# The report's row for each peer: real ops and emulations never share a name.
+PEER_ROWS = {
+    "gqa-int8 tensor": "peer GQA INT8 per tensor (emulated)",
+    "gqa-int8 channel": "peer GQA INT8 per channel (emulated)",
+    "qmoe8": "peer QMoE 8-bit (ORT op)",
+    "qmoe4": "peer QMoE 4-bit (ORT op)",
+    "qmoe8 fp16": "peer QMoE 8-bit, float16 activations (ORT op)",
+    "qmoe4 fp16": "peer QMoE 4-bit, float16 activations (ORT op)",
+    "qmoe8 emulated": "peer QMoE 8-bit (emulated)",
+    "qmoe4 emulated": "peer QMoE 4-bit (emulated)",
+}
+# The execution provider each --device runs its sessions on.
+DEVICE_EP = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 def eval_windows(stream: np.ndarray, context: int, count: int) -> np.ndarray:
@@ -293,6 +322,39 @@ def emulate_qmoe(model_path: Path, out: Path, bits: int, num_experts: int) -> tu
     return out, changed
 
 
+def run_ort_peer(path: Path, label: str, tmp: Path, models_dir: Path, stream: np.ndarray, contexts,
+                 windows: int, score: int, float_nll: dict, *, threads: int | None = None, device: str = "cpu",
+                 float_chunk: int = 0) -> dict | None:
+    """A peer as ORT's own op in the whole model (``PEERS[label]`` with "ort"): today QMoE, through
+    ``peers_ort.rewrite_to_qmoe`` (probed also on the first 512 training tokens when
+    ``train_tokens_head.npy`` exists: experts a trained router picks on text, not on random ids), scored
+    like the float original on stock onnxruntime. None when no block was replaced. A model the
+    device's session cannot run gives a row with "error" instead of failing the run; "provider"
+    names the EP that ran the QMoE nodes (a node the CUDA EP does not take runs on the CPU EP)."""
+    from benchmarks.peers_ort import node_providers, rewrite_to_qmoe
+    from ort_ops.runtime import resolve_device
+
+    _, bits, _ = PEERS[label]
+    head = models_dir / "train_tokens_head.npy"
+    probe_ids = np.load(head)[:512] if head.is_file() else None
+    out = tmp / f"{path.stem}.{label.replace(' ', '_')}.onnx"
+    rep = rewrite_to_qmoe(path, out, bits, probe_ids=probe_ids, activations=PEER_ACTIVATIONS.get(label, "float32"))
+    if not rep["blocks"]:
+        return None
+    res = {"emulated": False, "op": "com.microsoft.QMoE", "blocks": len(rep["blocks"]),
+           "routing": sorted({b["routing"] for b in rep["blocks"]}), "declined": rep["declined"]}
+    try:
+        prov = node_providers(out, "QMoE", resolve_device(device)[1])
+        res["provider"] = sorted(set(prov))
+        for ctx in contexts:
+            win = eval_windows(stream, ctx, windows)
+            nll = score_dense(str(out), win, min(score, ctx - 1), threads=threads, device=device, chunk=float_chunk)
+            res[str(ctx)] = compare_to_float(nll, float_nll[ctx])
+    except Exception as e:  # noqa: BLE001 - the device's EP refuses the model: the row says so, the run goes on
+        res["error"] = f"does not run on --device {device}: {str(e).splitlines()[0][:300]}"
+    return res
+
+
 def held_out_prompts(stream: np.ndarray, count: int = 4, length: int = 64) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens from the end of the held-out stream (not the text the
     perplexity windows start with)."""
@@ -356,8 +418,17 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
             entry[label] = res
         amax = None
         for label in peers:
-            kind, how = PEERS[label]
+            kind, how, impl = PEERS[label]
             t = time.time()
+            if impl == "ort":
+                res = run_ort_peer(path, label, tmp, models_dir, stream, contexts, windows, score, float_nll,
+                                   threads=threads, device=device, float_chunk=float_chunk)
+                if res is None:
+                    log(f"{name}: {label}: not applicable (no MoE block the rewrite proves)")
+                    continue
+                log(f"{name}: {label} (ORT op, {time.time() - t:.0f} s){': ' + res['error'] if 'error' in res else ''}")
+                entry[PEER_ROWS[label]] = res
+                continue
             if kind == "kv":
                 if amax is None:
                     calib = eval_windows(np.load(models_dir / "train_tokens_head.npy"), 512, calib_windows)
@@ -366,7 +437,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
                 detail = {"calibration_windows": calib_windows, "calibration_window": 512}
             else:
                 experts = int((manifest.get("config") or {}).get("experts", 8))
-                emu, changed = emulate_qmoe(path, tmp / f"{name}.{label}.onnx", how, experts)
+                emu, changed = emulate_qmoe(path, tmp / f"{name}.{label.replace(' ', '_')}.onnx", how, experts)
                 if emu is None:
                     log(f"{name}: {label}: not applicable (no expert weights)")
                     continue
@@ -378,7 +449,7 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
                 nll = score_dense(str(emu), win, min(score, ctx - 1), threads=threads, device=device,
                                   chunk=float_chunk)
                 res[str(ctx)] = compare_to_float(nll, float_nll[ctx])
-            entry["peer " + label] = res
+            entry[PEER_ROWS[label]] = res
         report["models"][name] = entry
     return report
 
@@ -393,6 +464,12 @@ def format_table(report: dict, contexts) -> str:
         lines += [head, "|" + "---|" * (len(contexts) + 2)]
         for label, res in entry.items():
             cells = []
+            ep = DEVICE_EP.get(report.get("device", "cpu"))
+            if res.get("provider") and res["provider"] != [ep]:
+                label = f"{label} [QMoE ran on {', '.join(res['provider'])}]"
+            if "error" in res:
+                lines.append(f"| {label} | {res['error']} |" + " |" * len(contexts))
+                continue
             for c in contexts:
                 r = res.get(str(c))
                 if r is None:
@@ -415,7 +492,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--score", type=int, default=128, help="scored (decoded) tokens at the end of each window")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS))
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma list of: " + ", ".join(PEERS) + " ('' for none)")
+    ap.add_argument("--peers", default=",".join(DEFAULT_PEERS),
+                    help="comma list of: " + ", ".join(PEERS) + " ('' for none)")
     ap.add_argument("--calib-windows", type=int, default=8, help="512-token training windows that calibrate GQA's scales")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")

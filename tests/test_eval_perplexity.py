@@ -168,16 +168,16 @@ def test_cli_end_to_end(tmp_path, capsys):
                   "--json", str(tmp_path / "r.json")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| attn s8/s8 |" in out and "| peer gqa-int8 tensor |" in out
+    assert "| attn s8/s8 |" in out and "| peer GQA INT8 per tensor (emulated) |" in out
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["seed"] == 7 and r["windows"] == 2
     d = r["models"]["dense"]
-    assert set(d) == {"float", "attn s8/s8", "peer gqa-int8 tensor"}   # no MoE in this model
+    assert set(d) == {"float", "attn s8/s8", "peer GQA INT8 per tensor (emulated)"}   # no MoE in this model
     for ctx in ("48", "64"):
         f = d["float"][ctx]
         assert 1.0 < f["ppl"] < 10 * VOCAB and f["windows"] == 2
         assert abs(d["attn s8/s8"][ctx]["nll"] - f["nll"]) <= 2 * ATTN_REWRITE_LOGITS_ATOL
-        assert d["peer gqa-int8 tensor"]["emulated"] is True
+        assert d["peer GQA INT8 per tensor (emulated)"]["emulated"] is True
     assert ev.main(["--models", str(tmp_path), "--variants", "attn s9"]) == 2
 
 

@@ -110,6 +110,26 @@ MOE_REWRITE_STOP_TIE_MARGIN = 0.15
 # moving by at most 1.31 there, an EOS gap of 3.0 cannot flip.
 MOE_REWRITE_STOP_TIE_MARGIN_ROUTING_FLIPS = 3.0
 
+# ORT's QMoE as the eval's peer (tests/test_eval_peers.py). One QMoE node on ORT's CPU EP against
+# numpy's float MoE of the same dequantized weights and routing: the same float32 products summed
+# in another order, measured 2.7e-7 of the output's magnitude (8 and 4 bits); the wrong routing
+# (renormalized or not) is off by 0.45-0.79, a wrong gate/up interleave or transposed weight by O(1).
+MOE_FLOAT_VS_REFERENCE_RTOL = 1e-5
+# A whole fixture decoder with its MoE block on QMoE against the float graph holding the same
+# dequantized expert weights: float32 rounding of the block's output carried to logits of size
+# ~1-5, measured 1.2e-6 max abs; 1e-4 is 80x that, while one wrong expert weight moves a logit by O(0.1).
+QMOE_PEER_VS_DEQUANTIZED_FLOAT_ATOL = 1e-4
+# The same with the node on float16 activations (x, logits, router weights and output rounded
+# to float16, 2^-11 relative each, scales float16): measured relative L2 1.3e-4 to 2.6e-4 on the
+# logits (Mixtral, Qwen2-MoE; 8 and 4 bits; 24 tokens and 1). 1e-3 is 4x that and still below
+# the 8-bit weight rounding itself (4.6e-3, the next bound), so float weights would not pass.
+QMOE_PEER_FP16_VS_DEQUANTIZED_FLOAT_REL_L2 = 1e-3
+# The same against the float original: the bits' weight rounding alone, measured relative L2 of
+# the logits 0.0046 (Mixtral) / 0.0034 (Qwen2-MoE) at 8 bits, 0.085 / 0.056 at 4 bits (7 levels a
+# side). About 4x and 3x of headroom; unquantized-looking or garbled weights fall outside either way
+# (the first test above holds the exact values).
+QMOE_PEER_LOGITS_REL_L2 = {8: 0.02, 4: 0.25}
+
 # Attention rewrite (tests/rewrite/test_paged_attention_int8_rewrite.py, tests/test_runtime.py).
 # Rewritten model with qk_quant = pv_quant = "none" against the original with the contract's K/V
 # INT8 quantize-dequantize emulated in its graph: the same float32 math up to summation order
