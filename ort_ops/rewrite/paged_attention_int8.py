@@ -1276,6 +1276,16 @@ def _reroute_past_shapes(ctx: _Ctx) -> None:
             node.replace_input_with(0, ids)
 
 
+def _downstream_of_past(ctx: _Ctx) -> set[ir.Value]:
+    """The past inputs and every value computed from one of them, in one forward pass (graph
+    order is topological): what may still read the cache length after fusion."""
+    tainted = set(ctx.past_layer)
+    for node in ctx.model.graph:
+        if any(i in tainted for i in node.inputs if i is not None):
+            tainted.update(o for o in node.outputs if o is not None)
+    return tainted
+
+
 def _fold_structural_ints(ctx: _Ctx) -> None:
     """Integer values computed from a past input's shape that are the same on both probes (head
     counts, head_dim: what the TorchScript exporter reads from the repeated V's shape) become
@@ -1283,11 +1293,7 @@ def _fold_structural_ints(ctx: _Ctx) -> None:
     if not ctx.probes2:
         return
     graph = ctx.model.graph
-    # values downstream of a past input, in one forward pass (graph order is topological)
-    tainted = set(ctx.past_layer)
-    for node in graph:
-        if any(i in tainted for i in node.inputs if i is not None):
-            tainted.update(o for o in node.outputs if o is not None)
+    tainted = _downstream_of_past(ctx)
     for node in list(graph):
         for out in node.outputs:
             if out not in tainted or not out.uses() or out.name not in ctx.probes or out.name not in ctx.probes2:
@@ -1321,10 +1327,7 @@ def _positions_from_cache_length(ctx: _Ctx) -> None:
     if not ctx.probes2:
         return
     graph = ctx.model.graph
-    tainted = set(ctx.past_layer)
-    for node in graph:
-        if any(i in tainted for i in node.inputs if i is not None):
-            tainted.update(o for o in node.outputs if o is not None)
+    tainted = _downstream_of_past(ctx)
     done = set()
     for node in list(graph):
         for out in node.outputs:
