@@ -108,7 +108,7 @@ def gqa_attention_model(layers, batch, hq, hkv, d, ctx):
 def ours_moe_model(layers, hidden, inter, experts, top_k, rng, layout="EKN"):
     """N layers of the router + our INT8 chain, residual added by MoeFinalizeRouting; ``layout``
     is GroupedMatmulSwigluQuant's weight_layout ("ENK": [E, N, K], the wgmma kernel's operand)."""
-    from ort_ops.ops.moe_layer import quantize_moe_weights, random_moe_weights
+    from ort_ops.testing.moe_layer import quantize_moe_weights, random_moe_weights
 
     nodes, inits = [], [numpy_helper.from_array(np.array([top_k], np.int64), "k"),
                         numpy_helper.from_array(np.array([-1], np.int64), "last_axis")]
@@ -146,7 +146,7 @@ def ours_moe_model(layers, hidden, inter, experts, top_k, rng, layout="EKN"):
 
 def contrib_moe_model(layers, hidden, inter, experts, top_k, rng):
     """N layers of router MatMul + com.microsoft MoE (fp16, SwiGLU with separate fc3) + Add."""
-    from ort_ops.ops.moe_layer import random_moe_weights
+    from ort_ops.testing.moe_layer import random_moe_weights
 
     nodes, inits = [], []
     x = "x"

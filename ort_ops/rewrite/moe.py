@@ -10,7 +10,7 @@ Alphabet: T tokens, H hidden size, I intermediate size per expert, E experts, K 
 B batch, S sequence.
 
 Expert weights come from constant initializers and are quantized offline per output channel
-(``ort_ops.ops.moe_layer.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
+(``ort_ops.ops._quant.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
 the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, H] with scales
 [E, H]. gpt-oss's interleaved gate/up columns (gate = [..., ::2], up = [..., 1::2]) are permuted
 offline into that [gate | up] order, and so are its gate_up biases; expert biases go to the
@@ -23,7 +23,7 @@ outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stor
 weights as AMX B tiles, the CPU's AMX layout (CPU only; ``pack_en16k4``): gate_up int8
 [E, ceil(2I/16), H/4, 16, 4] and down int8 [E, ceil(H/16), I/4, 16, 4], each node with
 weight_layout="EN16K4" (a weight whose K, H or I, is not a multiple of 4 keeps "EKN", warned).
-The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
+The float reference of what a block computes is ``ort_ops.ops._moe.moe_experts_float``
 with the graph's own routing.
 
 Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py`` and
@@ -96,7 +96,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
-from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT
+from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT, moe_experts_float
+from ort_ops.ops._quant import quantize_expert_weights
 from ort_ops.rewrite._graph import Prober, attr_int, const_array, fold_const, has_bfloat16, synthetic_feeds
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
@@ -659,27 +660,12 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
 
 
 def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w: _Reading, act: _Activation = SILU) -> np.ndarray:
-    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math), the
-    reading's optional biases added after each projection, ``act`` between them."""
-    x64 = np.asarray(x, np.float64)
-    out = np.zeros_like(x64)
-
-    def bias(b, e):
-        return 0.0 if b is None else b[e].astype(np.float64)
-
-    for e in range(w.w_gate.shape[0]):
-        t, j = np.nonzero(ids == e)
-        if t.size:
-            g = x64[t] @ w.w_gate[e].astype(np.float64) + bias(w.b_gate, e)
-            u = x64[t] @ w.w_up[e].astype(np.float64) + bias(w.b_up, e)
-            if act.name == "swiglu_oai":
-                g = np.minimum(g, act.limit)
-                h = (np.clip(u, -act.limit, act.limit) + 1) * (g / (1 + np.exp(-act.alpha * g)))
-            else:
-                h = g / (1 + np.exp(-g)) * u
-            y = h @ w.w_down[e].astype(np.float64) + bias(w.b_down, e)
-            np.add.at(out, t, np.asarray(wts, np.float64)[t, j, None] * y)
-    return out
+    """The float MoE with given routing (``ort_ops.ops._moe.moe_experts_float``): x [T, H],
+    ids/wts [T, K] -> float64 [T, H], the reading's optional biases added after each
+    projection, ``act`` between them."""
+    gate_up = np.concatenate([w.w_gate, w.w_up], axis=2)
+    bias = None if w.b_gate is None else np.concatenate([w.b_gate, w.b_up], axis=1)
+    return moe_experts_float(x, ids, wts, gate_up, w.w_down, bias, w.b_down, act.name, act.alpha, act.limit)
 
 
 def _matches(got: np.ndarray, want: np.ndarray, dtype=np.float32) -> bool:
@@ -947,7 +933,6 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     GEMMs' float32 bias inputs ([E, 2I] as [gate | up], like the weight's columns); ``act`` sets
     GroupedMatmulSwigluQuant's activation attributes. Returns (nodes, out [T, H] float32, bytes of
     the INT8 weights, scales and biases). Nodes are not yet inserted."""
-    from ort_ops.ops.moe_layer import quantize_expert_weights
 
     e = w_gate.shape[0]
     gu_q, gu_s = quantize_expert_weights(np.concatenate([w_gate, w_up], axis=2))
@@ -1123,7 +1108,6 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
 
 def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
                  x_dtype=ir.DataType.FLOAT, rank: int = 2) -> dict:
-    from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
     gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
