@@ -6,7 +6,6 @@ constants, folding layout ops over constants, synthetic probe feeds and the prob
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -71,7 +70,10 @@ def test_const_array_gives_bfloat16_as_float32():
 def test_fold_const_evaluates_layout_chains_over_constants():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 6, 8)).astype(np.float16)
-    i64 = lambda name, a: numpy_helper.from_array(np.array(a, np.int64), name)  # noqa: E731
+
+    def i64(name, a):
+        return numpy_helper.from_array(np.array(a, np.int64), name)
+
     inits = [numpy_helper.from_array(w, "w"), i64("idx", 2), i64("shape", [0, 12, 4]), i64("starts", [1]),
              i64("ends", [7]), i64("axes", [2]), i64("split", [3, 3]), i64("ax0", [0])]
     nodes = [helper.make_node("Transpose", ["w"], ["t"], perm=[0, 2, 1]),          # [4, 8, 6]
