@@ -175,7 +175,7 @@ def build(name, w, q, k, q_oai=None):
     if name == "ours_en16k4":
         from onnx import helper, numpy_helper
 
-        from ort_ops.ops._moe import pack_en16k4
+        from ort_ops.ops._moe import EN16K4, pack_en16k4
 
         model = ml.build_moe_int8_model(q, k)
         packed = {"w_gate_up": q.gate_up, "w_down": q.down}  # both GEMMs' weights as AMX B tiles
@@ -184,7 +184,7 @@ def build(name, w, q, k, q_oai=None):
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(pack_en16k4(packed[init.name]), init.name))
         for node in model.graph.node:
             if node.op_type in ("GroupedMatmulSwigluQuant", "GroupedMatmulDequant") and node.input[1] in packed:
-                node.attribute.append(helper.make_attribute("weight_layout", "EN16K4"))
+                node.attribute.append(helper.make_attribute("weight_layout", EN16K4))
         return model, True
     if name == "moe_fp32":
         return stock_moe_model(w, k, "MoE"), False

@@ -240,7 +240,12 @@ def check_float(op: str, name: str, a: np.ndarray, shape: tuple[int, ...]) -> np
     return a.astype(np.float32)
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
+# GroupedMatmulSwigluQuant / GroupedMatmulDequant's attribute weight_layout (DESIGN.md "MoE"; the
+# kernels' csrc/ops/grouped_matmul_swiglu_quant/weight_layout.h): how each expert's [K, N] is stored.
+EKN = "EKN"        # [E, K, N], the contract's order and the default
+ENK = "ENK"        # [E, N, K], each expert transposed (K-major)
+EN16K4 = "EN16K4"  # [E, ceil(N/16), K/4, 16, 4], AMX B tiles
+WEIGHT_LAYOUTS = (EKN, ENK, EN16K4)
 
 
 def pack_en16k4(weight_ekn_: np.ndarray, op: str = "GroupedMatmulSwigluQuant") -> np.ndarray:
@@ -257,7 +262,7 @@ def pack_en16k4(weight_ekn_: np.ndarray, op: str = "GroupedMatmulSwigluQuant") -
     return np.ascontiguousarray(p.reshape(e, k // 4, 4, nt, 16).transpose(0, 3, 1, 4, 2))
 
 
-def weight_ekn(op: str, x, weight, weight_layout: str = "EKN", weight_scale=None, even_n: bool = False):
+def weight_ekn(op: str, x, weight, weight_layout: str = EKN, weight_scale=None, even_n: bool = False):
     """``weight`` of GroupedMatmulSwigluQuant / GroupedMatmulDequant in the contract's [E, K, N]
     order: checks the attribute ``weight_layout`` and, for "ENK", that the weight is [E, N, K]
     with K of ``x`` (and N even when ``even_n``), then transposes it (a view); for "EN16K4", that
@@ -267,10 +272,10 @@ def weight_ekn(op: str, x, weight, weight_layout: str = "EKN", weight_scale=None
         got = f"'{weight_layout}'" if isinstance(weight_layout, str) and weight_layout else "a non-string value"
         raise ValueError(f"{op}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]), 'ENK' "
                          f"(weight [E, N, K]) or 'EN16K4' (weight [E, N/16, K/4, 16, 4]), got {got}")
-    if weight_layout == "EKN":
+    if weight_layout == EKN:
         return weight
     x = check_int8(op, "x", x, 2)
-    if weight_layout == "EN16K4":
+    if weight_layout == EN16K4:
         weight = np.asarray(weight)
         if weight.dtype != np.int8:
             raise ValueError(f"{op}: input 'weight' must be int8, got {weight.dtype}")

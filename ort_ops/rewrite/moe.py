@@ -96,7 +96,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
-from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT, moe_experts_float
+from ort_ops.ops._moe import EKN, EN16K4, OAI_ALPHA, OAI_LIMIT, WEIGHT_LAYOUTS, moe_experts_float, pack_en16k4
 from ort_ops.ops._quant import quantize_expert_weights
 from ort_ops.rewrite._graph import Prober, attr_int, const_array, fold_const, has_bfloat16, synthetic_feeds
 from ort_ops.rewrite.pipeline import Decline, FusionResult
@@ -873,9 +873,6 @@ def _initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
     return v
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
-
-
 def check_weight_layout(weight_layout: str) -> None:
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"rewrite: moe_weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, "
@@ -886,11 +883,11 @@ def _en16k4_or_ekn(q: np.ndarray, what: str, dim: str) -> str:
     """"EN16K4" if ``q`` [E, K, N] can be packed (K % 4 == 0), else "EKN" with a warning naming the
     weight, so that no block is left half rewritten."""
     if q.shape[1] % 4 == 0:
-        return "EN16K4"
+        return EN16K4
     import warnings
     warnings.warn(f"rewrite: moe_weight_layout EN16K4 needs the {dim} to be a multiple of 4, "
                   f"got {q.shape[1]}: this block's {what} weight keeps EKN", stacklevel=3)
-    return "EKN"
+    return EKN
 
 
 def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
@@ -899,12 +896,11 @@ def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, di
     "EN16K4" packed as AMX B tiles [E, ceil(2I/16), H/4, 16, 4]. That needs H % 4 == 0; a block
     with another H keeps "EKN" (with a warning), so no block is left half rewritten."""
     check_weight_layout(weight_layout)
-    if weight_layout == "EN16K4":
+    if weight_layout == EN16K4:
         weight_layout = _en16k4_or_ekn(gu_q, "gate/up", "hidden size")
-    if weight_layout == "EKN":
+    if weight_layout == EKN:
         return gu_q, {}
-    if weight_layout == "EN16K4":
-        from ort_ops.ops._moe import pack_en16k4
+    if weight_layout == EN16K4:
         return pack_en16k4(gu_q), {"weight_layout": weight_layout}
     return np.ascontiguousarray(gu_q.transpose(0, 2, 1)), {"weight_layout": weight_layout}
 
@@ -915,15 +911,14 @@ def _down_weight(dn_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict
     warning); "EKN" and "ENK" keep [E, I, H] ("ENK" is the Hopper wgmma kernel's gate/up operand;
     GroupedMatmulDequant on the CUDA EP reads "EKN" only)."""
     check_weight_layout(weight_layout)
-    if weight_layout != "EN16K4" or _en16k4_or_ekn(dn_q, "down", "intermediate size") == "EKN":
+    if weight_layout != EN16K4 or _en16k4_or_ekn(dn_q, "down", "intermediate size") == EKN:
         return dn_q, {}
-    from ort_ops.ops._moe import pack_en16k4
-    return pack_en16k4(dn_q, "GroupedMatmulDequant"), {"weight_layout": "EN16K4"}
+    return pack_en16k4(dn_q, "GroupedMatmulDequant"), {"weight_layout": EN16K4}
 
 
 def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
                     w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                    weight_layout: str = "EKN", *, b_gate: np.ndarray | None = None,
+                    weight_layout: str = EKN, *, b_gate: np.ndarray | None = None,
                     b_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
                     act: _Activation = SILU) -> tuple[list[ir.Node], ir.Value, int]:
     """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
@@ -990,7 +985,7 @@ def _replace_value(old: ir.Value, new: ir.Value) -> None:
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
 
 
-def _replace_block(model: ir.Model, block: _Block, weight_layout: str = "EKN") -> tuple[int, ir.Value]:
+def _replace_block(model: ir.Model, block: _Block, weight_layout: str = EKN) -> tuple[int, ir.Value]:
     graph = model.graph
     cand = block.cand
     prefix = f"moe_int8/{cand.topk.name or 'block'}"
@@ -1031,7 +1026,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN", proven: Iterable[tuple] = ()) -> dict | None:
+                        weight_layout: str = EKN, proven: Iterable[tuple] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -1106,7 +1101,7 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     return None
 
 
-def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
+def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = EKN,
                  x_dtype=ir.DataType.FLOAT, rank: int = 2) -> dict:
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
@@ -1241,7 +1236,7 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return gate, up, w2, desc + (f", {bits}-bit" if qmoe else "")
 
 
-def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") -> dict:
+def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = EKN) -> dict:
     """Replaces one com.microsoft MoE / QMoE node (weights [E, out, in], ORT >= 1.22 layout)."""
     where = node.name or node.op_type
     x, logits = node.inputs[0], node.inputs[1]
@@ -1300,7 +1295,7 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
     (float32) and after (int8 + float32 scales).
     """
     result = FusionResult(kind="moe")
-    layout = getattr(options, "moe_weight_layout", "EKN")
+    layout = getattr(options, "moe_weight_layout", EKN)
     check_weight_layout(layout)  # before any change to the model
     blocks_info: list[dict] = []
     graph = model.graph
@@ -1402,6 +1397,6 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
     if blocks_info:
         result.details["forms"]["expert weight bytes"] = "{} -> {}".format(
             sum(b["weight_bytes_before"] for b in blocks_info), sum(b["weight_bytes_after"] for b in blocks_info))
-        if layout != "EKN":
+        if layout != EKN:
             result.details["forms"]["weight layout"] = layout
     return result

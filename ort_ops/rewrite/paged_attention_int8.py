@@ -70,7 +70,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA E
 # The paged model's inputs, outputs and metadata: the contract with the runtime.
 from ort_ops.paged_interface import (  # noqa: E402
     BLOCK_TABLES, CACHE_PARTS, CU_SEQLENS_Q, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, STEP_TABLES,
-    cache_input_name, cache_output_name, make_metadata)
+    cache_input_name, cache_output_name, cache_shapes, make_metadata)
 
 
 @dataclasses.dataclass
@@ -1203,13 +1203,9 @@ def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
     bs = ctx.options.block_size
     for layer in range(n_layers):
         hkv, d = hkv_d.get(layer, ("num_kv_heads", "head_dim"))
-        shapes = {"key": (ir.DataType.INT8, ["num_blocks", hkv, bs, d]),
-                  "value": (ir.DataType.INT8, ["num_blocks", hkv, d, bs]),
-                  "key_scale": (ir.DataType.FLOAT, ["num_blocks", hkv, bs]),
-                  "value_scale": (ir.DataType.FLOAT, ["num_blocks", hkv, bs])}
-        for part in CACHE_PARTS:
-            dt, shape = shapes[part]
-            v = ir.Value(name=cache_input_name(layer, part), type=ir.TensorType(dt), shape=ir.Shape(shape))
+        for part, (shape, dt) in zip(CACHE_PARTS, cache_shapes("num_blocks", hkv, bs, d)):
+            v = ir.Value(name=cache_input_name(layer, part), type=ir.TensorType(ir.DataType.from_numpy(dt)),
+                         shape=ir.Shape(list(shape)))
             graph.inputs.append(v)
             ctx.shared["cache_in"][(layer, part)] = v
     # present outputs: Concat(past, new) of each layer, or Attention's present outputs
