@@ -207,7 +207,7 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
     }
 
 
-# --- teacher-forced agreement (added by the MoE rewrite, issue 8) -------------------------------
+# --- teacher-forced agreement ---------------------------------------------------------------------
 # Free-running agreement above counts every position after the first differing token as a
 # disagreement. On tiny random-weight models (flat next-token distributions) one near-tie flipped
 # by INT8 rounding therefore decides a whole prompt's score. Teacher forcing scores each decision

@@ -26,8 +26,8 @@ of 16 columns); CPU only, ``pack_en16k4``). The layout changes where W_e[k, n] i
 result. It is a speed choice per device: the CPU kernels read "EKN", and with AMX "EN16K4" without
 packing it per Run (benchmarks/RESULTS_cpu.md; without AMX each used expert is unpacked to [K, N]
 per Run); "ENK" costs them a transpose of each used expert per Run; "EN16K4" fails on the CUDA EP;
-on the CUDA EP "ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
-4096 tokens, benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
+on the CUDA EP "ENK" is the Hopper wgmma kernel's operand (faster than the mma.sync kernel on "EKN"
+for prefill, see benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
 K-major path. activation ("swiglu" default; "swiglu_oai": gpt-oss's clamped SwiGLU) with
 float attributes alpha (default 1.702) and limit (default 7.0), used by "swiglu_oai" only.
 

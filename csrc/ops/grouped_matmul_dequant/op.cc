@@ -5,9 +5,9 @@
 // N may be odd); output y float32 [M, N] = (float(x . W_e) * x_scale[m]) * weight_scale[e, n],
 // zeros past the last group end. "EN16K4" with AMX: the panels read the weight as it is, for
 // every expert (with "EKN" an expert of up to kGemvRows rows takes the few-row path, one of more
-// the panels, which pack [K, N] into tile order on every Run; at 16 tokens the layer is bound by
-// these weight reads: 64 experts x 2 rows, K 1408, N 2048, 2 threads: EKN 15.4-15.9 ms, EN16K4
-// 9.1-9.5 ms, benchmarks/RESULTS_cpu.md); without AMX each used expert is unpacked to [K, N]
+// the panels, which pack [K, N] into tile order on every Run: at a few tokens the layer is bound
+// by these weight reads, so the pre-packed layout is the faster one there; benchmarks/bench_moe.py
+// measures both, benchmarks/RESULTS_cpu.md); without AMX each used expert is unpacked to [K, N]
 // per Run.
 #include "ops/grouped_matmul_dequant/op.h"
 

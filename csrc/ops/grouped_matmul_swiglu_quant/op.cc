@@ -12,9 +12,8 @@
 // "ENK" weights: the GEMM core (grouped_matmul/driver.h) reads [E, K, N], so each expert that has
 // rows in this Run is transposed into a scratch [E, K, N] first (one task per expert; unused
 // experts are neither read nor written). Same codes bit for bit; it costs a pass over the used
-// weights per Run, so "EKN" is the CPU's fast layout ("ENK" is the Hopper wgmma kernel's):
-// 8 experts x K 2048 x N 2816, 2 threads, medians of 9, one session: 32 rows EKN 2.3-2.5 ms,
-// ENK 24-41 ms; 512 rows 6.3-7.1 vs 28-29 ms (a shared 2-core VM).
+// weights per Run, so "EKN" is the CPU's fast layout ("ENK" is the Hopper wgmma kernel's; the
+// measurements are in benchmarks/RESULTS_cpu.md, from benchmarks/bench_moe.py).
 // "EN16K4" weights: with AMX the panels read them as they are (every expert, any row count, in
 // chunks of kAmxPanelRows rows); other ISAs unpack each used expert into the scratch first.
 #include "ops/grouped_matmul_swiglu_quant/op.h"
