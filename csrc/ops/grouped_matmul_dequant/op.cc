@@ -25,28 +25,18 @@ constexpr const char* kOp = "GroupedMatmulDequant";
 
 class GroupedMatmulDequantCpu final : public KernelImpl {
  public:
-  explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info)
-      : isa_(selected_isa(kOp)),
-        group_list_type_(grouped_matmul::read_group_list_type(kOp, info)),
-        layout_(gmsq_layout::read_weight_layout(kOp, info)),
-        kernels_(grouped_matmul::kernels_for(isa_)) {
-    grouped_matmul::advise_weight_pages(info, 1);
-  }
+  explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info) : cfg_(kOp, info) {}
 
   void compute(Ort::KernelContext& ctx) override {
     grouped_matmul::WeightScratch weight_ekn;  // "ENK" / "EN16K4" without panels: the used experts in [K, N]
-    const grouped_matmul::Problem p =
-        grouped_matmul::read_problem_layout(kOp, ctx, layout_, group_list_type_, false, kernels_, weight_ekn);
+    const grouped_matmul::Problem p = cfg_.read_problem(kOp, ctx, false, weight_ekn);
     float* y = make_output<float>(ctx, 0, {p.m, p.n});
     std::fill(y + p.rows_used * p.n, y + p.m * p.n, 0.0f);
-    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kDequant, kernels_, y, p.n);
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kDequant, cfg_.kernels, y, p.n);
   }
 
  private:
-  CpuIsa isa_;
-  int64_t group_list_type_;
-  gmsq_layout::WeightLayout layout_;
-  grouped_matmul::Kernels kernels_;
+  grouped_matmul::CpuOpConfig cfg_;
 };
 
 }  // namespace
