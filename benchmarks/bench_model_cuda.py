@@ -38,7 +38,16 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION  # noqa: E402
+from ort_ops.ops._moe import EKN, ENK  # noqa: E402
 from ort_ops.ops._schema import IR_VERSION, ONNX_OPSET  # noqa: E402
+from ort_ops.paged_interface import (  # noqa: E402
+    BLOCK_TABLES,
+    CACHE_PARTS,
+    CU_SEQLENS_Q,
+    SEQ_LENS,
+    SLOT_MAPPING,
+    cache_shapes,
+)
 
 F16, F32, I8, I32, I64 = TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.INT8, TensorProto.INT32, TensorProto.INT64
 NP = {F16: np.float16, F32: np.float32, I8: np.int8, I32: np.int32, I64: np.int64}
@@ -57,21 +66,20 @@ def ours_attention_model(layers, seqs, hq, hkv, d, nblocks, block, max_blocks):
     """N layers of QuantizeKVCache + PagedAttentionInt8; caches are inputs bound in place."""
     t = seqs
     ins = [vi("query", F16, [t, hq, d]), vi("key", F16, [t, hkv, d]), vi("value", F16, [t, hkv, d]),
-           vi("slot_mapping", I64, [t]), vi("block_tables", I32, [seqs, max_blocks]), vi("seq_lens", I32, [seqs]),
-           vi("cu_seqlens_q", I32, [seqs + 1])]
+           vi(SLOT_MAPPING, I64, [t]), vi(BLOCK_TABLES, I32, [seqs, max_blocks]), vi(SEQ_LENS, I32, [seqs]),
+           vi(CU_SEQLENS_Q, I32, [seqs + 1])]
     outs, nodes = [], []
     q = "query"
-    shapes = {"key": [nblocks, hkv, block, d], "value": [nblocks, hkv, d, block],
-              "key_scale": [nblocks, hkv, block], "value_scale": [nblocks, hkv, block]}
     for i in range(layers):
-        names = [f"kv.{i}.{k}" for k in shapes]
-        for n, (k, shp) in zip(names, shapes.items()):
-            ins.append(vi(n, I8 if "scale" not in k else F32, shp))
-            outs.append(vi(n + ".out", I8 if "scale" not in k else F32, shp))
-        nodes.append(helper.make_node("QuantizeKVCache", ["key", "value", "slot_mapping", *names],
+        names = [f"kv.{i}.{part}" for part in CACHE_PARTS]
+        for n, (shp, dt) in zip(names, cache_shapes(nblocks, hkv, block, d)):
+            elem = I8 if dt == np.int8 else F32
+            ins.append(vi(n, elem, list(shp)))
+            outs.append(vi(n + ".out", elem, list(shp)))
+        nodes.append(helper.make_node("QuantizeKVCache", ["key", "value", SLOT_MAPPING, *names],
                                       [n + ".out" for n in names], domain=DOMAIN, name=f"qkv{i}"))
-        nodes.append(helper.make_node("PagedAttentionInt8", [q, *[n + ".out" for n in names], "block_tables",
-                                                             "seq_lens", "cu_seqlens_q"],
+        nodes.append(helper.make_node("PagedAttentionInt8", [q, *[n + ".out" for n in names], BLOCK_TABLES,
+                                                             SEQ_LENS, CU_SEQLENS_Q],
                                       [f"attn{i}"], domain=DOMAIN, name=f"pa{i}"))
         q = f"attn{i}"
     nodes.append(helper.make_node("Identity", [q], ["output"]))
@@ -105,10 +113,10 @@ def gqa_attention_model(layers, batch, hq, hkv, d, ctx):
 
 # ---------------------------------------------------------------- MoE models
 
-def ours_moe_model(layers, hidden, inter, experts, top_k, rng, layout="EKN"):
+def ours_moe_model(layers, hidden, inter, experts, top_k, rng, layout=EKN):
     """N layers of the router + our INT8 chain, residual added by MoeFinalizeRouting; ``layout``
     is GroupedMatmulSwigluQuant's weight_layout ("ENK": [E, N, K], the wgmma kernel's operand)."""
-    from ort_ops.ops.moe_layer import quantize_moe_weights, random_moe_weights
+    from ort_ops.testing.moe_layer import quantize_moe_weights, random_moe_weights
 
     nodes, inits = [], [numpy_helper.from_array(np.array([top_k], np.int64), "k"),
                         numpy_helper.from_array(np.array([-1], np.int64), "last_axis")]
@@ -118,7 +126,7 @@ def ours_moe_model(layers, hidden, inter, experts, top_k, rng, layout="EKN"):
         q = quantize_moe_weights(w)
         p = f"l{i}."
         inits += [numpy_helper.from_array(w.router, p + "router"),
-                  numpy_helper.from_array(q.gate_up if layout == "EKN" else np.ascontiguousarray(q.gate_up.transpose(0, 2, 1)),
+                  numpy_helper.from_array(q.gate_up if layout == EKN else np.ascontiguousarray(q.gate_up.transpose(0, 2, 1)),
                                           p + "w1"),
                   numpy_helper.from_array(q.gate_up_scale, p + "s1"),
                   numpy_helper.from_array(q.down, p + "w2"), numpy_helper.from_array(q.down_scale, p + "s2")]
@@ -146,7 +154,7 @@ def ours_moe_model(layers, hidden, inter, experts, top_k, rng, layout="EKN"):
 
 def contrib_moe_model(layers, hidden, inter, experts, top_k, rng):
     """N layers of router MatMul + com.microsoft MoE (fp16, SwiGLU with separate fc3) + Add."""
-    from ort_ops.ops.moe_layer import random_moe_weights
+    from ort_ops.testing.moe_layer import random_moe_weights
 
     nodes, inits = [], []
     x = "x"
@@ -252,14 +260,12 @@ def attention_cases(args, torch, writer):
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         slots = (tables[:, -1].long() * block + block - 1).contiguous()
         cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        feeds = {"query": q, "key": k, "value": v, "slot_mapping": slots, "block_tables": tables, "seq_lens": lens,
-                 "cu_seqlens_q": cu}
+        feeds = {"query": q, "key": k, "value": v, SLOT_MAPPING: slots, BLOCK_TABLES: tables, SEQ_LENS: lens,
+                 CU_SEQLENS_Q: cu}
         outs = {"output": torch.empty_like(q)}
         for i in range(args.layers):
-            for name, shp, dt in (("key", (nblocks, hkv, block, d), torch.int8),
-                                  ("value", (nblocks, hkv, d, block), torch.int8),
-                                  ("key_scale", (nblocks, hkv, block), torch.float32),
-                                  ("value_scale", (nblocks, hkv, block), torch.float32)):
+            for name, (shp, np_dt) in zip(CACHE_PARTS, cache_shapes(nblocks, hkv, block, d)):
+                dt = torch.int8 if np_dt == np.int8 else torch.float32
                 if dt == torch.int8:
                     t = torch.randint(-127, 128, shp, dtype=dt, device="cuda", generator=gen)
                 else:
@@ -352,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-layers", type=int, default=4)
     ap.add_argument("--tokens", default="1,16,256,4096")
     ap.add_argument("--moe-shapes", default="8x2", help="experts x top-k, comma separated (e.g. 8x2,64x8)")
-    ap.add_argument("--moe-layout", default="EKN", choices=["EKN", "ENK"],
+    ap.add_argument("--moe-layout", default=EKN, choices=[EKN, ENK],
                     help="GroupedMatmulSwigluQuant weight layout of our MoE model")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--csv", default=None)

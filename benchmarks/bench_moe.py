@@ -7,7 +7,7 @@ softmax router with top-k and renormalized weights; E experts top-k in {8x2, 64x
 interface) and runs on ORT's CPU EP with the same intra-op thread count:
 
   ours        Softmax/TopK, MoeInitRouting, DynamicQuant, GroupedMatmulSwigluQuant,
-              GroupedMatmulDequant, MoeFinalizeRouting (ort_ops.ops.moe_layer.build_moe_int8_model)
+              GroupedMatmulDequant, MoeFinalizeRouting (ort_ops.testing.moe_layer.build_moe_int8_model)
   ours_en16k4 the same model with both GEMMs' weights (gate/up and down) stored weight_layout
               "EN16K4" (AMX B tiles, packed offline as the rewrite's --moe-weight-layout EN16K4 does)
   ours_oai    "ours" as a gpt-oss layer: both GEMMs with their bias input (gate_up [E, 2I], down
@@ -22,7 +22,7 @@ interface) and runs on ORT's CPU EP with the same intra-op thread count:
 Reported: median and p90 ms over --repeats runs after warm-up, the ratio of the fastest stock
 path (MoE / QMoE / plain ONNX) to ours and to ours_en16k4, and one correctness check before
 timing: each model's relative L2 against the float64 numpy layer
-(ort_ops.ops.moe_layer.moe_layer_float) on T <= 16.
+(ort_ops.testing.moe_layer.moe_layer_float) on T <= 16.
 Memory ceiling per row: "MB" is the INT8 expert weights the routing touches (every path must
 read at least these bytes once: QMoE's 8-bit weights are the same size), "GB/s" ours over them,
 and "floor" the time to read them at this machine's streaming-read rate with the same thread
@@ -166,7 +166,7 @@ def plain_onnx_model(w, k):
 
 def build(name, w, q, k, q_oai=None):
     """(model, uses our custom ops) for one path of the table (q_oai: q with biases, ours_oai)."""
-    from ort_ops.ops import moe_layer as ml
+    from ort_ops.testing import moe_layer as ml
 
     if name == "ours":
         return ml.build_moe_int8_model(q, k), True
@@ -175,7 +175,7 @@ def build(name, w, q, k, q_oai=None):
     if name == "ours_en16k4":
         from onnx import helper, numpy_helper
 
-        from ort_ops.ops._moe import pack_en16k4
+        from ort_ops.ops._moe import EN16K4, pack_en16k4
 
         model = ml.build_moe_int8_model(q, k)
         packed = {"w_gate_up": q.gate_up, "w_down": q.down}  # both GEMMs' weights as AMX B tiles
@@ -184,7 +184,7 @@ def build(name, w, q, k, q_oai=None):
                 model.graph.initializer[i].CopyFrom(numpy_helper.from_array(pack_en16k4(packed[init.name]), init.name))
         for node in model.graph.node:
             if node.op_type in ("GroupedMatmulSwigluQuant", "GroupedMatmulDequant") and node.input[1] in packed:
-                node.attribute.append(helper.make_attribute("weight_layout", "EN16K4"))
+                node.attribute.append(helper.make_attribute("weight_layout", EN16K4))
         return model, True
     if name == "moe_fp32":
         return stock_moe_model(w, k, "MoE"), False
@@ -266,7 +266,7 @@ def error_budget(configs, tokens=(16, 512), seeds=(0, 1, 2, 3, 4)):
     math in float64 (``moe_layer_w8a8``, every step on), that model with each INT8 rounding alone
     and with all but that one, and the weights alone (QMoE's kind of error). Then the chain's and
     the W8A8 model's error at 16 tokens over ``seeds`` (fresh weights and data) for the spread."""
-    from ort_ops.ops import moe_layer as ml
+    from ort_ops.testing import moe_layer as ml
 
     steps = ml.QUANT_STEPS
     for cfg in configs:
@@ -318,13 +318,13 @@ def main(argv=None):
                          "~5 ms extra (E=8, 16 tokens: p90 8 ms vs 3 ms alone or with spinning off, RESULTS_cpu.md)")
     ap.add_argument("--error-budget", action="store_true",
                     help="print where the INT8 layer's error comes from (each INT8 rounding on / off in a float64 "
-                         "W8A8 model, ort_ops.ops.moe_layer.moe_layer_w8a8) for --experts, then exit; no timing")
+                         "W8A8 model, ort_ops.testing.moe_layer.moe_layer_w8a8) for --experts, then exit; no timing")
     args = ap.parse_args(argv)
     if args.error_budget:
         error_budget(args.experts.split(","))
         return
 
-    from ort_ops.ops import moe_layer as ml
+    from ort_ops.testing import moe_layer as ml
 
     skip = set(filter(None, args.skip.split(",")))
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -72,21 +72,26 @@ def _probes(model, cands, probe_ids: np.ndarray | None) -> list[dict]:
     one token, a longer prompt when an expert was missed), plus one on ``probe_ids`` [S] when given:
     every candidate's router input, ids, weights, hidden state and post-dominators."""
     from ort_ops.rewrite import moe
+    from ort_ops.rewrite._graph import Prober, synthetic_feeds
 
     wanted = []
     for c in cands:
         wanted += [c.x, c.ids, c.weights, c.hidden] + c.outs
     wanted = list({id(v): v for v in wanted}.values())
-    prober = moe._Prober(model, wanted)
-    probes = [prober.run(t) for t in moe.PROBE_TOKENS[:2]]
+    prober = Prober(model, wanted)
+
+    def run(tokens: int) -> dict:  # as fuse_moe probes: synthetic feeds seeded by the token count
+        return prober.run(synthetic_feeds(prober.model.graph, tokens, np.random.default_rng(tokens)))
+
+    probes = [run(t) for t in moe.PROBE_TOKENS[:2]]
     if probe_ids is not None:
-        feeds = moe._probe_inputs(prober.model.graph, int(probe_ids.size), np.random.default_rng(0))
+        feeds = synthetic_feeds(prober.model.graph, int(probe_ids.size), np.random.default_rng(0))
         ids_name = next(n for n in feeds if n.endswith("input_ids"))
         feeds[ids_name] = np.asarray(probe_ids, feeds[ids_name].dtype).reshape(1, -1)
-        probes.append(dict(zip(prober.names, prober.session.run(prober.names, feeds))))
+        probes.append(prober.run(feeds))
     if any(np.unique(np.concatenate([p[c.ids.name].reshape(-1) for p in probes])).size < c.num_experts
            for c in cands):
-        probes.append(prober.run(moe.PROBE_TOKENS[2]))
+        probes.append(run(moe.PROBE_TOKENS[2]))
     return probes
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""Builds the realistic-size decoders of issue 18 (random weights) and exports them with the
+"""Builds realistic-size decoders (random weights) and exports them with the
 exporter people use, torch.onnx dynamo, with a KV cache (past in, present out).
 
     python graphs/export_realistic.py llama --out /tmp/llama1b          # Llama-3.2-1B shape, fp16

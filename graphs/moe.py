@@ -4,7 +4,7 @@
 Alphabet: T tokens (symbolic), H hidden, I intermediate per expert, E experts, K top-k.
 
 ``build_moe(w, k, ...)`` returns a float32 ModelProto ``x [T, H] -> y [T, H]`` computing the
-float MoE of ``ort_ops.ops.moe_layer`` (weights ``MoeWeights``: router [H, E], w_gate_up
+float MoE of ``ort_ops.testing.moe_layer`` (weights ``MoeWeights``: router [H, E], w_gate_up
 [E, H, 2I] gate first, w_down [E, I, H]) in the form optimum's exporter writes for Qwen3-MoE
 (optimum-onnx cannot run beside transformers 5.x here, see graphs/export_moe_fixtures.py):
 unrolled over every expert, ``Gather`` of the expert's one-hot mask row, ``NonZero``, ``Gather``

@@ -195,6 +195,8 @@ def _device_flag(p: argparse.ArgumentParser) -> None:
 
 def register(sub) -> None:
     """Adds ``rewrite`` and ``verify`` to the ``ort-ops`` subparsers."""
+    from ort_ops.ops._moe import EKN, WEIGHT_LAYOUTS
+
     rw = sub.add_parser("rewrite", help="replace attention (and MoE) of an exported model by the INT8 ops")
     rw.add_argument("input", help="exported ONNX model")
     rw.add_argument("output", help="where to write the rewritten model")
@@ -205,7 +207,7 @@ def register(sub) -> None:
     _bool_flag(rw, "attention", "run the attention fusion (default on)")
     _bool_flag(rw, "moe", "run the MoE fusion (default on)")
     _bool_flag(rw, "norms", "fuse RMSNorm chains into ORT's SimplifiedLayerNormalization (default on)")
-    rw.add_argument("--moe-weight-layout", choices=("EKN", "ENK", "EN16K4"), default="EKN",
+    rw.add_argument("--moe-weight-layout", choices=WEIGHT_LAYOUTS, default=EKN,
                     help="how the MoE expert weights are stored: EKN [E, H, 2I] (default; fastest on "
                          "CPU without AMX and pre-Hopper GPUs), ENK: gate/up [E, 2I, H], transposed offline for "
                          "the Hopper wgmma kernel (H100/H200, prefill-heavy serving), or EN16K4: gate/up "

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ort_ops.paged_interface import (  # noqa: E402 - the contract with the rewrite
-    BLOCK_TABLES, CU_SEQLENS_Q, SEQ_LENS, SLOT_MAPPING, cache_shapes, read_metadata)
+    BLOCK_TABLES, CU_SEQLENS_Q, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, cache_shapes, read_metadata)
 
 
 def _load_proto(model, load_external_data: bool = True):
@@ -248,7 +248,7 @@ class PagedKVCache:
     def for_model(cls, model, num_blocks: int = 256, *, device: str | None = None) -> PagedKVCache:
         meta = paged_metadata(model)
         if meta is None:
-            raise ValueError("ort_ops.runtime: the model is not paged (no 'ort_ops.paged' metadata); "
+            raise ValueError(f"ort_ops.runtime: the model is not paged (no '{PAGED_META_KEY}' metadata); "
                              "rewrite it with `ort-ops rewrite` first")
         return cls(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks, device=device)
 
@@ -382,7 +382,7 @@ class PagedRunner:
                              "create it with PagedKVCache.for_model(model, device='cuda') (or pass none)")
         meta = paged_metadata(model)
         if meta is None:
-            raise ValueError("ort_ops.runtime: the model is not paged (no 'ort_ops.paged' metadata)")
+            raise ValueError(f"ort_ops.runtime: the model is not paged (no '{PAGED_META_KEY}' metadata)")
         if self.device == "cuda":
             _require_cuda_library()
         self.meta = meta

@@ -146,9 +146,7 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
     Returns:
         {"overall": {...}, "prompts": [{...}, ...], "rewritten_interface": "paged" | "dense"}.
     """
-    from ort_ops.runtime import _load_proto, generate, paged_metadata
-
-    from ort_ops.runtime import resolve_device
+    from ort_ops.runtime import _load_proto, generate, paged_metadata, resolve_device
 
     device, providers = resolve_device(device, providers)
     # Graphs only (metadata, vocabulary); the sessions read paths themselves, weights included.
@@ -209,7 +207,7 @@ def verify(original, rewritten, *, prompts=None, max_new_tokens: int = 32, eos_t
     }
 
 
-# --- teacher-forced agreement (added by the MoE rewrite, issue 8) -------------------------------
+# --- teacher-forced agreement ---------------------------------------------------------------------
 # Free-running agreement above counts every position after the first differing token as a
 # disagreement. On tiny random-weight models (flat next-token distributions) one near-tie flipped
 # by INT8 rounding therefore decides a whole prompt's score. Teacher forcing scores each decision
@@ -234,12 +232,12 @@ def teacher_forced_agreement(original, rewritten, prompts, *, max_new_tokens: in
     """
     from ort_ops.runtime import DenseRunner, _load_proto, generate, paged_metadata
 
-    p_rew = _load_proto(rewritten)
+    p_orig, p_rew = _load_proto(original), _load_proto(rewritten)  # each parsed once, for both its uses
     if paged_metadata(p_rew):
         raise ValueError("ort_ops.verify: teacher forcing needs a dense rewritten model (rewrite with --no-attention)")
-    gens = generate(original, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+    gens = generate(p_orig, prompts, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                     with_library=False)
-    orig_runner = DenseRunner(_load_proto(original), with_library=False)
+    orig_runner = DenseRunner(p_orig, with_library=False)
     rew_runner = DenseRunner(p_rew, with_library=True)
     per, agree, total, stop_ok = [], 0, 0, True
     for p, g in zip(prompts, gens):

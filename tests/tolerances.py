@@ -20,7 +20,7 @@ MOE_CHAIN_VS_FLOAT_REL_L2 = 0.035
 
 # The error budget at issue 4's shape (tests/ops/test_moe_chain.py::test_error_budget_issue_shape:
 # hidden 2048, intermediate 1408, 8 experts top-2, 64 tokens, seed 4). The INT8 chain equals the
-# plain W8A8 model of its integer math in float64 (ort_ops.ops.moe_layer.moe_layer_w8a8) up to
+# plain W8A8 model of its integer math in float64 (ort_ops.testing.moe_layer.moe_layer_w8a8) up to
 # its float32 dequantization / SwiGLU: measured 1e-7 relative apart (E=8 and E=64), so 1e-5 flags any
 # kernel or reference step that adds error of its own. Against the float64 layer the W8A8 math
 # itself gives 2.79-2.95 % over seeds (benchmarks/RESULTS_cpu.md); at this seed it measured

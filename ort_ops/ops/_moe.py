@@ -110,6 +110,48 @@ def activation_f32(a: np.ndarray, g: np.ndarray, activation: str = "swiglu", alp
     return swiglu_f32(a, g)
 
 
+def activation_float(c: np.ndarray, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                     limit: float = OAI_LIMIT) -> np.ndarray:
+    """h [.., I] from c [.., 2I] = [A | G] in c's float type (no float32 recipe: the float
+    model's yardstick): "swiglu" silu(A) * G; "swiglu_oai" (clip(G, -limit, limit) + 1) *
+    a * sigmoid(alpha * a) with a = min(A, limit)."""
+    i = c.shape[-1] // 2
+    a, g = c[..., :i], c[..., i:]
+    if activation == "swiglu":
+        return a / (1.0 + np.exp(-a)) * g
+    if activation == "swiglu_oai":
+        a = np.minimum(a, limit)
+        g = np.clip(g, -limit, limit)
+        return (g + 1.0) * (a / (1.0 + np.exp(-alpha * a)))
+    raise ValueError(f"moe: activation must be one of {ACTIVATIONS}, got '{activation}'")
+
+
+def moe_experts_float(x: np.ndarray, topk_ids: np.ndarray, topk_w: np.ndarray, w_gate_up: np.ndarray,
+                      w_down: np.ndarray, gate_up_bias: np.ndarray | None = None,
+                      down_bias: np.ndarray | None = None, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                      limit: float = OAI_LIMIT) -> np.ndarray:
+    """The routed experts of a float MoE layer in float64, what the INT8 chain approximates:
+    x [T, H], topk_ids / topk_w [T, K], w_gate_up [E, H, 2I] (columns [0, I) the activation's
+    A, [I, 2I) its G), w_down [E, I, H], optional biases [E, 2I] and [E, H] added after each
+    projection -> float64 [T, H] = sum_j topk_w[t, j] * expert_{topk_ids[t, j]}(x[t])."""
+    x64 = np.asarray(x, np.float64)
+    ids = np.asarray(topk_ids)
+    wts = np.asarray(topk_w, np.float64)
+    out = np.zeros_like(x64)
+    for e in range(w_gate_up.shape[0]):
+        t, j = np.nonzero(ids == e)
+        if not t.size:
+            continue
+        c = x64[t] @ np.asarray(w_gate_up[e], np.float64)
+        if gate_up_bias is not None:
+            c = c + np.asarray(gate_up_bias[e], np.float64)
+        y = activation_float(c, activation, alpha, limit) @ np.asarray(w_down[e], np.float64)
+        if down_bias is not None:
+            y = y + np.asarray(down_bias[e], np.float64)
+        np.add.at(out, t, wts[t, j, None] * y)
+    return out
+
+
 def check_activation(op: str, activation, alpha, limit) -> None:
     """Raises the kernels' ValueError for an unknown ``activation`` or a bad ``alpha`` / ``limit``
     (float32 values: finite, limit > 0)."""
@@ -198,7 +240,12 @@ def check_float(op: str, name: str, a: np.ndarray, shape: tuple[int, ...]) -> np
     return a.astype(np.float32)
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
+# GroupedMatmulSwigluQuant / GroupedMatmulDequant's attribute weight_layout (DESIGN.md "MoE"; the
+# kernels' csrc/ops/grouped_matmul_swiglu_quant/weight_layout.h): how each expert's [K, N] is stored.
+EKN = "EKN"        # [E, K, N], the contract's order and the default
+ENK = "ENK"        # [E, N, K], each expert transposed (K-major)
+EN16K4 = "EN16K4"  # [E, ceil(N/16), K/4, 16, 4], AMX B tiles
+WEIGHT_LAYOUTS = (EKN, ENK, EN16K4)
 
 
 def pack_en16k4(weight_ekn_: np.ndarray, op: str = "GroupedMatmulSwigluQuant") -> np.ndarray:
@@ -215,7 +262,7 @@ def pack_en16k4(weight_ekn_: np.ndarray, op: str = "GroupedMatmulSwigluQuant") -
     return np.ascontiguousarray(p.reshape(e, k // 4, 4, nt, 16).transpose(0, 3, 1, 4, 2))
 
 
-def weight_ekn(op: str, x, weight, weight_layout: str = "EKN", weight_scale=None, even_n: bool = False):
+def weight_ekn(op: str, x, weight, weight_layout: str = EKN, weight_scale=None, even_n: bool = False):
     """``weight`` of GroupedMatmulSwigluQuant / GroupedMatmulDequant in the contract's [E, K, N]
     order: checks the attribute ``weight_layout`` and, for "ENK", that the weight is [E, N, K]
     with K of ``x`` (and N even when ``even_n``), then transposes it (a view); for "EN16K4", that
@@ -225,10 +272,10 @@ def weight_ekn(op: str, x, weight, weight_layout: str = "EKN", weight_scale=None
         got = f"'{weight_layout}'" if isinstance(weight_layout, str) and weight_layout else "a non-string value"
         raise ValueError(f"{op}: attribute 'weight_layout' must be 'EKN' (weight [E, K, N]), 'ENK' "
                          f"(weight [E, N, K]) or 'EN16K4' (weight [E, N/16, K/4, 16, 4]), got {got}")
-    if weight_layout == "EKN":
+    if weight_layout == EKN:
         return weight
     x = check_int8(op, "x", x, 2)
-    if weight_layout == "EN16K4":
+    if weight_layout == EN16K4:
         weight = np.asarray(weight)
         if weight.dtype != np.int8:
             raise ValueError(f"{op}: input 'weight' must be int8, got {weight.dtype}")

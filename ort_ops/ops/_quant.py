@@ -43,3 +43,11 @@ def quantize_rows(x: np.ndarray, axis: int = -1) -> tuple[np.ndarray, np.ndarray
 def dequantize_rows(q: np.ndarray, scale: np.ndarray, axis: int = -1) -> np.ndarray:
     """float32 values ``q * scale`` with ``scale`` broadcast along ``axis``."""
     return q.astype(np.float32) * np.expand_dims(np.asarray(scale, np.float32), axis)
+
+
+def quantize_expert_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-output-channel INT8 expert weights (the MoE ops' offline rule, DESIGN.md "MoE"):
+    W float [E, K, N] -> (int8 [E, K, N], scale float32 [E, N]), ``quantize_rows`` over K:
+    scale = max_k |W[e, k, n]| / 127, q = rint(W * (127 / amax)).
+    """
+    return quantize_rows(np.asarray(w, np.float32), axis=1)

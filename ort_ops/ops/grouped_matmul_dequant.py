@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ort_ops.ops._moe import grouped_dequant_matmul, weight_ekn
+from ort_ops.ops._moe import EKN, grouped_dequant_matmul, weight_ekn
 from ort_ops.ops._schema import FLOAT_TYPES, Arg, Attr, OpSchema
 
 OP = "GroupedMatmulDequant"
@@ -49,14 +49,14 @@ SCHEMA = OpSchema(
     ),
     outputs=(Arg("y", ("float32",), doc="[M, N]"),),
     attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),
-           Attr("weight_layout", "string", "EKN", doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (CPU only); '
+           Attr("weight_layout", "string", EKN, doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (CPU only); '
                 '"EN16K4": [E, ceil(N/16), K/4, 16, 4] (AMX B tiles; CPU only)')),
     doc=__doc__,
 )
 
 
 def reference(x, weight, weight_scale, x_scale, group_list, bias=None, group_list_type: int = 0,
-              weight_layout: str = "EKN") -> np.ndarray:
+              weight_layout: str = EKN) -> np.ndarray:
     """numpy GroupedMatmulDequant; returns y float32 [M, N] (zeros past the last group end)."""
     weight = weight_ekn(OP, x, weight, weight_layout, weight_scale)
     with np.errstate(over="ignore"):

@@ -26,8 +26,8 @@ of 16 columns); CPU only, ``pack_en16k4``). The layout changes where W_e[k, n] i
 result. It is a speed choice per device: the CPU kernels read "EKN", and with AMX "EN16K4" without
 packing it per Run (benchmarks/RESULTS_cpu.md; without AMX each used expert is unpacked to [K, N]
 per Run); "ENK" costs them a transpose of each used expert per Run; "EN16K4" fails on the CUDA EP;
-on the CUDA EP "ENK" is the Hopper wgmma kernel's operand (1.67x faster than the mma.sync kernel on "EKN" at
-4096 tokens, benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
+on the CUDA EP "ENK" is the Hopper wgmma kernel's operand (faster than the mma.sync kernel on "EKN"
+for prefill, see benchmarks/NOTES_moe_cuda.md); other GPUs run "ENK" on the mma.sync kernel's
 K-major path. activation ("swiglu" default; "swiglu_oai": gpt-oss's clamped SwiGLU) with
 float attributes alpha (default 1.702) and limit (default 7.0), used by "swiglu_oai" only.
 
@@ -55,6 +55,7 @@ import numpy as np
 
 from ort_ops.ops._moe import (  # noqa: F401 (re-exported)
     ACTIVATIONS,
+    EKN,
     OAI_ALPHA,
     OAI_LIMIT,
     WEIGHT_LAYOUTS,
@@ -87,7 +88,7 @@ SCHEMA = OpSchema(
         Arg("y_offset", ("float32",), doc="[M] zeros (symmetric)"),
     ),
     attrs=(Attr("group_list_type", "int", 0, doc="0: cumulative end rows, 1: per-expert counts"),
-           Attr("weight_layout", "string", "EKN", doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (K-major); '
+           Attr("weight_layout", "string", EKN, doc='"EKN": weight [E, K, N]; "ENK": [E, N, K] (K-major); '
                 '"EN16K4": [E, ceil(N/16), K/4, 16, 4] (AMX B tiles; CPU only)'),
            Attr("activation", "string", "swiglu", doc='"swiglu": (A / (1 + exp(-A))) * G; "swiglu_oai": '
                 "gpt-oss's clamped SwiGLU"),
@@ -97,13 +98,13 @@ SCHEMA = OpSchema(
 )
 
 
-def weight_ekn(x, weight, weight_layout: str = "EKN", weight_scale=None):
+def weight_ekn(x, weight, weight_layout: str = EKN, weight_scale=None):
     """``weight`` in the contract's [E, K, N] order (``ort_ops.ops._moe.weight_ekn``; N even for "ENK")."""
     return _weight_ekn(OP, x, weight, weight_layout, weight_scale, even_n=True)
 
 
 def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: int = 0,
-                weight_layout: str = "EKN", bias=None, activation: str = "swiglu", alpha: float = OAI_ALPHA,
+                weight_layout: str = EKN, bias=None, activation: str = "swiglu", alpha: float = OAI_ALPHA,
                 limit: float = OAI_LIMIT):
     """The float32 SwiGLU output S [M, N/2] before quantization and the valid-row mask [M]."""
     check_activation(OP, activation, alpha, limit)
@@ -130,7 +131,7 @@ def swiglu_rows(x, weight, weight_scale, x_scale, group_list, group_list_type: i
 
 
 def reference(x, weight, weight_scale, x_scale, group_list, bias=None, group_list_type: int = 0,
-              weight_layout: str = "EKN", activation: str = "swiglu", alpha: float = OAI_ALPHA,
+              weight_layout: str = EKN, activation: str = "swiglu", alpha: float = OAI_ALPHA,
               limit: float = OAI_LIMIT):
     """numpy GroupedMatmulSwigluQuant (module docstring for shapes and the float32 recipe).
 

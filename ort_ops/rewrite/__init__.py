@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ort_ops.ops._moe import EKN
+
 
 def load_model(path):
     """An onnx_ir.Model from a path, or a one-line ValueError/FileNotFoundError naming the file.
@@ -74,7 +76,7 @@ def save_model(model, path) -> None:
 
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
-                  attention: bool = True, moe: bool = True, moe_weight_layout: str = "EKN", norms: bool = True):
+                  attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True):
     """Runs the fusions on a model.
 
     Args:

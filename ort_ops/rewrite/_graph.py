@@ -15,22 +15,97 @@ import onnx_ir as ir
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:
-    """The value as a numpy array when it is a constant (initializer or Constant node), else None."""
-    if value is None:
+    """The value as a numpy array when it is a constant, else None.
+
+    Constants are initializers that are not also graph inputs (an initializer listed as an input
+    is a default the caller may override, so no rewrite may bake it in) and outputs of ONNX
+    ``Constant`` nodes (``value`` or one of ``value_float(s)`` / ``value_int(s)``). bfloat16
+    tensors come back as float32 (exact: every bfloat16 value is a float32 value), the dtype numpy
+    arithmetic and the quantizer work in. An initializer in an external file is read from it.
+    """
+    if value is None or value.is_graph_input():
         return None
     if value.const_value is not None:
-        return value.const_value.numpy()
-    node = value.producer()
-    if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-        attr = node.attributes.get("value")
-        if attr is not None:
-            return attr.as_tensor().numpy()
-        for name in ("value_float", "value_int"):
-            if name in node.attributes:
-                return np.array(node.attributes[name].value)
-        for name in ("value_floats", "value_ints"):
-            if name in node.attributes:
-                return np.array(node.attributes[name].value)
+        tensor = value.const_value
+    else:
+        node = value.producer()
+        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attributes) != 1:
+            return None
+        name, attr = next(iter(node.attributes.items()))
+        if attr.is_ref():
+            return None
+        if name == "value":
+            tensor = attr.as_tensor()
+        elif name in ("value_float", "value_floats"):
+            return np.array(attr.value, np.float32)
+        elif name in ("value_int", "value_ints"):
+            return np.array(attr.value, np.int64)
+        else:  # strings and sparse tensors are never weights or shapes
+            return None
+    if tensor.dtype == ir.DataType.BFLOAT16:
+        return tensor.numpy().astype(np.float32)
+    return tensor.numpy()
+
+
+# Layout ops fold_const evaluates over constants.
+FOLDED_OPS = ("Identity", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Gather", "Split", "Slice", "Cast")
+
+
+def fold_const(v: ir.Value | None, depth: int = 0) -> np.ndarray | None:
+    """Evaluates ``v`` when it is a constant (``const_array``) or a chain of at most 8 layout ops
+    over constants, the per-expert slices exporters take of stacked weights: Transpose,
+    Reshape, Squeeze, Unsqueeze, Gather, Split, Slice, Identity and Cast to float32. None
+    otherwise (another op, a non-constant input, an op whose inputs numpy rejects)."""
+    c = const_array(v)
+    if c is not None or v is None or depth > 8:
+        return c
+    n = v.producer()
+    if n is None or n.domain not in ("", "ai.onnx") or n.op_type not in FOLDED_OPS:
+        return None
+    ins = [fold_const(i, depth + 1) if i is not None else None for i in n.inputs]
+    if any(i is None for i, orig in zip(ins, n.inputs) if orig is not None):
+        return None
+    a = n.attributes
+    op = n.op_type
+    try:
+        if op == "Identity":
+            return ins[0]
+        if op == "Transpose":
+            perm = a["perm"].as_ints() if "perm" in a else None
+            return np.transpose(ins[0], perm)
+        if op == "Reshape":
+            shape = [d if d != 0 else ins[0].shape[i] for i, d in enumerate(ins[1].tolist())]
+            return ins[0].reshape(shape)
+        if op == "Squeeze":
+            axes = tuple(int(x) for x in ins[1]) if len(ins) > 1 and ins[1] is not None else None
+            return np.squeeze(ins[0], axis=axes)
+        if op == "Unsqueeze":
+            out = ins[0]
+            for ax in sorted(int(x) % (out.ndim + len(ins[1])) for x in ins[1]):
+                out = np.expand_dims(out, ax)
+            return out
+        if op == "Gather":
+            return np.take(ins[0], ins[1], axis=a["axis"].as_int() if "axis" in a else 0)
+        if op == "Split":
+            axis = a["axis"].as_int() if "axis" in a else 0
+            idx = list(n.outputs).index(v)
+            if len(ins) > 1 and ins[1] is not None:
+                bounds = np.cumsum(ins[1])[:-1]
+            else:
+                bounds = len(n.outputs)
+            return np.split(ins[0], bounds, axis=axis)[idx]
+        if op == "Slice":
+            data, starts, ends = ins[0], ins[1], ins[2]
+            axes = ins[3] if len(ins) > 3 and ins[3] is not None else np.arange(len(starts))
+            steps = ins[4] if len(ins) > 4 and ins[4] is not None else np.ones(len(starts), np.int64)
+            sl = [slice(None)] * data.ndim
+            for s, e, ax, st in zip(starts, ends, axes, steps):
+                sl[int(ax)] = slice(int(s), int(e), int(st))
+            return data[tuple(sl)]
+        if op == "Cast" and a["to"].as_int() == ir.DataType.FLOAT:
+            return ins[0].astype(np.float32)
+    except (KeyError, ValueError, IndexError, TypeError):
+        return None
     return None
 
 
@@ -166,23 +241,89 @@ def probe_session(model: ir.Model, extra_outputs: Sequence[ir.Value], so):
             graph.outputs.remove(v)
 
 
+class Prober:
+    """One stock-onnxruntime CPU session of ``model`` (unchanged) with ``values`` as extra outputs;
+    ``run(feeds)`` returns their arrays by name, as often as asked.
+
+    A bfloat16 model runs as its float32 twin (``float32_twin``: onnxruntime's CPU provider has no
+    bfloat16 Mul/MatMul); the twin's values keep their names, so the arrays answer for the
+    model's values, in float32. A model already holding this package's ops (e.g. MoE fused
+    before attention) gets the library registered. ``self.model`` is the model that runs."""
+
+    def __init__(self, model: ir.Model, values: Sequence[ir.Value]):
+        import onnxruntime as ort
+
+        from ort_ops._domain import DOMAIN
+
+        if has_bfloat16(model):
+            model = float32_twin(model)
+            values = same_values(model, values)
+        self.model = model
+        self.names = [v.name for v in values]
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 4  # a failing probe is reported as a decline reason, not logged
+        if any(n.domain == DOMAIN for n in model.graph):
+            from ort_ops._lib import session_options
+
+            session_options(so)
+        self.session = probe_session(model, values, so)
+
+    def run(self, feeds: dict) -> dict[str, np.ndarray]:
+        return dict(zip(self.names, self.session.run(self.names, feeds)))
+
+
 def run_probe(model: ir.Model, values: Sequence[ir.Value], feeds: dict) -> dict[str, np.ndarray]:
-    """Runs ``model`` (unchanged; ``values`` become extra outputs for the run) on stock onnxruntime."""
-    import onnxruntime as ort
+    """Runs ``model`` (unchanged; ``values`` become extra outputs for the run) once on stock onnxruntime."""
+    return Prober(model, values).run(feeds)
 
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 4  # a failing probe is reported as a decline reason, not logged
-    from ort_ops._domain import DOMAIN
 
-    if any(n.domain == DOMAIN for n in model.graph):  # e.g. MoE already fused
-        from ort_ops._lib import session_options
+def synthetic_feeds(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Feeds for any graph's inputs (not only a decoder's, unlike ``probe_feeds``): batch 1,
+    ``tokens`` new positions, an empty KV cache.
 
-        session_options(so)
-    sess = probe_session(model, values, so)
-    names = [v.name for v in values]
-    outs = sess.run(names, feeds)
-    return dict(zip(names, outs))
+    Token ids / masks / positions [B, S] get [1, tokens]; a past key/value input gets batch 1 and
+    past length 0; any other symbolic dim of a float input is the token axis (first) or 1. Token
+    ids are drawn below the vocabulary of the constant embedding table they index (2 without
+    one), masks are all ones, positions count from 0, float inputs are standard normal.
+    """
+    feeds = {}
+    for v in graph.inputs:
+        if v.is_initializer():
+            continue
+        dims = list(v.shape.dims) if v.shape is not None else []
+        dt = v.dtype.numpy()
+        name = (v.name or "").lower()
+        is_int = np.issubdtype(dt, np.integer)
+        is_past = "past" in name or ("cache" in name and not is_int)
+        shape, given = [], False
+        for i, d in enumerate(dims):
+            if _static(d) is not None:
+                shape.append(_static(d))
+            elif is_past:
+                shape.append(1 if i == 0 else 0)
+            elif is_int and len(dims) == 2:
+                shape.append(1 if i == 0 else tokens)
+            else:
+                shape.append(1 if given else tokens)
+                given = True
+        if is_int:
+            if "mask" in name:
+                feeds[v.name] = np.ones(shape, dt)
+            elif "position" in name:
+                feeds[v.name] = np.broadcast_to(np.arange(shape[-1], dtype=dt), shape).copy()
+            else:
+                vocab = 2
+                for use in v.uses():
+                    n = use.node
+                    if n.op_type == "Gather" and const_array(n.inputs[0]) is not None:
+                        vocab = n.inputs[0].shape[0]
+                feeds[v.name] = rng.integers(0, vocab, shape).astype(dt)
+        elif dt == np.bool_:
+            feeds[v.name] = np.ones(shape, dt)
+        else:
+            feeds[v.name] = rng.standard_normal(shape).astype(dt)
+    return feeds
 
 
 def expected_visible(mask: np.ndarray, past: int, seq: int, padding: bool, window: int = 0) -> np.ndarray:

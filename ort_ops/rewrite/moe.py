@@ -10,7 +10,7 @@ Alphabet: T tokens, H hidden size, I intermediate size per expert, E experts, K 
 B batch, S sequence.
 
 Expert weights come from constant initializers and are quantized offline per output channel
-(``ort_ops.ops.moe_layer.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
+(``ort_ops.ops._quant.quantize_expert_weights``): gate_up int8 [E, H, 2I] (columns [0, I)
 the SiLU gate, [I, 2I) the up projection) with scales [E, 2I], down int8 [E, I, H] with scales
 [E, H]. gpt-oss's interleaved gate/up columns (gate = [..., ::2], up = [..., 1::2]) are permuted
 offline into that [gate | up] order, and so are its gate_up biases; expert biases go to the
@@ -23,7 +23,7 @@ outputs; on CPU "EKN" is the faster layout). ``moe_weight_layout="EN16K4"`` stor
 weights as AMX B tiles, the CPU's AMX layout (CPU only; ``pack_en16k4``): gate_up int8
 [E, ceil(2I/16), H/4, 16, 4] and down int8 [E, ceil(H/16), I/4, 16, 4], each node with
 weight_layout="EN16K4" (a weight whose K, H or I, is not a multiple of 4 keeps "EKN", warned).
-The float reference of what a block computes is ``ort_ops.ops.moe_layer.moe_layer_float``
+The float reference of what a block computes is ``ort_ops.ops._moe.moe_experts_float``
 with the graph's own routing.
 
 Forms handled (what exporters write, see ``graphs/export_moe_fixtures.py`` and
@@ -96,8 +96,9 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ort_ops._domain import DOMAIN, OPSET_VERSION
-from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT
-from ort_ops.rewrite._graph import attr_int, float32_twin, has_bfloat16, probe_session, same_values
+from ort_ops.ops._moe import EKN, EN16K4, OAI_ALPHA, OAI_LIMIT, WEIGHT_LAYOUTS, moe_experts_float, pack_en16k4
+from ort_ops.ops._quant import quantize_expert_weights
+from ort_ops.rewrite._graph import Prober, attr_int, const_array, fold_const, has_bfloat16, synthetic_feeds
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -183,74 +184,6 @@ class _Declined(Exception):
 
 # ---------------------------------------------------------------------------------------------
 # small graph helpers
-
-
-def _const(v: ir.Value | None) -> np.ndarray | None:
-    """The value's constant contents (initializer that is not also an input, or Constant node);
-    bfloat16 ones as float32 (exact), the dtype numpy arithmetic and the quantizer work in."""
-    if v is None or v.is_graph_input():
-        return None
-    t = ir.convenience.get_const_tensor(v)
-    if t is None:
-        return None
-    return t.numpy().astype(np.float32) if t.dtype == ir.DataType.BFLOAT16 else t.numpy()
-
-
-def _fold(v: ir.Value | None, depth: int = 0) -> np.ndarray | None:
-    """Evaluates ``v`` when it is a constant or a chain of layout ops over constants (the per-expert
-    slices exporters take of stacked weights): Transpose, Reshape, Squeeze, Unsqueeze, Gather,
-    Split, Slice, Identity, Cast to float."""
-    c = _const(v)
-    if c is not None or v is None or depth > 8:
-        return c
-    n = v.producer()
-    if n is None or n.domain not in ("", "ai.onnx"):
-        return None
-    ins = [_fold(i, depth + 1) if i is not None else None for i in n.inputs]
-    if any(i is None for i, orig in zip(ins, n.inputs) if orig is not None):
-        return None
-    a = n.attributes
-    op = n.op_type
-    try:
-        if op == "Identity":
-            return ins[0]
-        if op == "Transpose":
-            perm = a["perm"].as_ints() if "perm" in a else None
-            return np.transpose(ins[0], perm)
-        if op == "Reshape":
-            shape = [d if d != 0 else ins[0].shape[i] for i, d in enumerate(ins[1].tolist())]
-            return ins[0].reshape(shape)
-        if op == "Squeeze":
-            axes = tuple(int(x) for x in ins[1]) if len(ins) > 1 and ins[1] is not None else None
-            return np.squeeze(ins[0], axis=axes)
-        if op == "Unsqueeze":
-            out = ins[0]
-            for ax in sorted(int(x) % (out.ndim + len(ins[1])) for x in ins[1]):
-                out = np.expand_dims(out, ax)
-            return out
-        if op == "Gather":
-            return np.take(ins[0], ins[1], axis=a["axis"].as_int() if "axis" in a else 0)
-        if op == "Split":
-            axis = a["axis"].as_int() if "axis" in a else 0
-            idx = list(n.outputs).index(v)
-            if len(ins) > 1 and ins[1] is not None:
-                bounds = np.cumsum(ins[1])[:-1]
-            else:
-                bounds = len(n.outputs)
-            return np.split(ins[0], bounds, axis=axis)[idx]
-        if op == "Slice":
-            data, starts, ends = ins[0], ins[1], ins[2]
-            axes = ins[3] if len(ins) > 3 and ins[3] is not None else np.arange(len(starts))
-            steps = ins[4] if len(ins) > 4 and ins[4] is not None else np.ones(len(starts), np.int64)
-            sl = [slice(None)] * data.ndim
-            for s, e, ax, st in zip(starts, ends, axes, steps):
-                sl[int(ax)] = slice(int(s), int(e), int(st))
-            return data[tuple(sl)]
-        if op == "Cast" and a["to"].as_int() == ir.DataType.FLOAT:
-            return ins[0].astype(np.float32)
-    except (KeyError, ValueError, IndexError, TypeError):
-        return None
-    return None
 
 
 def _consumers(v: ir.Value) -> list[ir.Node]:
@@ -352,21 +285,21 @@ def _router_projection(src: ir.Node | None) -> tuple[ir.Value, np.ndarray]:
     if src is None:
         raise _Declined("the TopK's scores do not come from a router projection")
     if src.op_type == "Add":  # MatMul + bias: it changes only the scores, which the graph keeps computing
-        mm_in = src.inputs[0] if _const(src.inputs[1]) is not None else src.inputs[1]
+        mm_in = src.inputs[0] if const_array(src.inputs[1]) is not None else src.inputs[1]
         src = mm_in.producer()
         if src is None:
             raise _Declined("the router is not a linear projection")
     if src.op_type == "Gemm":
         if attr_int(src, "transA", 0):
             raise _Declined("router Gemm with transA is not expressible")
-        w = _const(src.inputs[1])
+        w = const_array(src.inputs[1])
         if w is None:
             raise _Declined(f"router weight '{src.inputs[1].name}' is not a constant initializer")
         if attr_int(src, "transB", 0):
             w = w.T
         x = src.inputs[0]
     elif src.op_type == "MatMul":
-        w = _const(src.inputs[1])
+        w = const_array(src.inputs[1])
         if w is None:
             raise _Declined(f"router weight '{src.inputs[1].name}' is not a constant initializer")
         x = src.inputs[0]
@@ -415,7 +348,7 @@ def _renormalized(v: ir.Value, reduce_sum: ir.Node) -> ir.Value | None:
     constant added to the sum (DeepSeek-V3's ``sum + 1e-20``); None otherwise."""
     sums = [reduce_sum.outputs[0]]
     for a in _consumers(reduce_sum.outputs[0]):
-        if a.op_type == "Add" and any(_const(i) is not None and _const(i).size == 1 for i in a.inputs):
+        if a.op_type == "Add" and any(const_array(i) is not None and const_array(i).size == 1 for i in a.inputs):
             sums.append(a.outputs[0])
     for s in sums:
         for d in _consumers(s):
@@ -443,7 +376,7 @@ def _follow_weights(values: ir.Value, routing: str) -> tuple[ir.Value, str]:
             elif n.op_type == "Cast" and attr_int(n, "to", 0) in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
                 nxt, step = n.outputs[0], None
             elif n.op_type in ("Mul", "Div") and n.inputs[0] is v:
-                c = _const(n.inputs[1])
+                c = const_array(n.inputs[1])
                 if c is not None and c.size == 1:
                     nxt, step = n.outputs[0], f"{'x' if n.op_type == 'Mul' else '/'} {float(c.reshape(-1)[0]):g}"
             if nxt is not None:
@@ -461,7 +394,7 @@ def _follow_weights(values: ir.Value, routing: str) -> tuple[ir.Value, str]:
 
 
 def _scalar(v: ir.Value | None) -> float | None:
-    c = _const(v)
+    c = const_array(v)
     return float(c.reshape(-1)[0]) if c is not None and c.size == 1 else None
 
 
@@ -561,7 +494,7 @@ def _check_region(region: set[ir.Node], allowed_inputs: set[ir.Value]) -> None:
         for i in n.inputs:
             if i is None or i in allowed_inputs or (i.producer() in region):
                 continue
-            if _fold(i) is not None:
+            if fold_const(i) is not None:
                 continue
             dt = i.dtype
             if dt is not None and dt.is_floating_point():
@@ -579,13 +512,13 @@ def _weight_constants(region: set[ir.Node], h: int) -> list[np.ndarray]:
         if v in seen:
             continue
         seen.add(v)
-        c = _const(v)
+        c = const_array(v)
         if c is not None:
             if c.ndim >= 2 and c.size >= h or c.ndim == 2:  # (rank 2: biases [E, N] may be small)
                 found.append(c)
             continue
         p = v.producer()
-        if p is not None and p not in region and _fold(v) is not None:
+        if p is not None and p not in region and fold_const(v) is not None:
             stack.extend(i for i in p.inputs if i is not None)
     return found
 
@@ -613,12 +546,12 @@ def _trace_weight(v: ir.Value, want_input_dim: int) -> tuple[np.ndarray, int | N
             continue
         break
     if n.op_type == "MatMul":
-        w = _fold(n.inputs[1])
+        w = fold_const(n.inputs[1])
         if w is None:
             return None
         w = w.reshape(w.shape[-2:]) if w.ndim == 3 and w.shape[0] == 1 else w
     elif n.op_type == "Gemm" and not attr_int(n, "transA", 0):
-        w = _fold(n.inputs[1])
+        w = fold_const(n.inputs[1])
         if w is None or len(n.inputs) > 2 and n.inputs[2] is not None:
             return None
         w = w.T if attr_int(n, "transB", 0) else w
@@ -727,104 +660,12 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
 
 
 def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w: _Reading, act: _Activation = SILU) -> np.ndarray:
-    """The float MoE with given routing: x [T, H], ids/wts [T, K] -> [T, H] (float64 math), the
-    reading's optional biases added after each projection, ``act`` between them."""
-    x64 = np.asarray(x, np.float64)
-    out = np.zeros_like(x64)
-
-    def bias(b, e):
-        return 0.0 if b is None else b[e].astype(np.float64)
-
-    for e in range(w.w_gate.shape[0]):
-        t, j = np.nonzero(ids == e)
-        if t.size:
-            g = x64[t] @ w.w_gate[e].astype(np.float64) + bias(w.b_gate, e)
-            u = x64[t] @ w.w_up[e].astype(np.float64) + bias(w.b_up, e)
-            if act.name == "swiglu_oai":
-                g = np.minimum(g, act.limit)
-                h = (np.clip(u, -act.limit, act.limit) + 1) * (g / (1 + np.exp(-act.alpha * g)))
-            else:
-                h = g / (1 + np.exp(-g)) * u
-            y = h @ w.w_down[e].astype(np.float64) + bias(w.b_down, e)
-            np.add.at(out, t, np.asarray(wts, np.float64)[t, j, None] * y)
-    return out
-
-
-def _probe_inputs(graph: ir.Graph, tokens: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Synthetic inputs for a probe run: batch 1, ``tokens`` new positions, an empty KV cache.
-
-    Token ids / masks / positions [B, S] get [1, tokens]; a past key/value input gets batch 1 and
-    past length 0; any other symbolic dim of a float input is the token axis (first) or 1.
-    """
-    feeds = {}
-    for v in graph.inputs:
-        if v.is_initializer():
-            continue
-        dims = list(v.shape.dims) if v.shape is not None else []
-        dt = v.dtype.numpy()
-        name = (v.name or "").lower()
-        is_int = np.issubdtype(dt, np.integer)
-        is_past = "past" in name or ("cache" in name and not is_int)
-        shape, given = [], False
-        for i, d in enumerate(dims):
-            if isinstance(d, int):
-                shape.append(d)
-            elif str(d).isdigit():  # some exporters write static dims as digit strings
-                shape.append(int(str(d)))
-            elif is_past:
-                shape.append(1 if i == 0 else 0)
-            elif is_int and len(dims) == 2:
-                shape.append(1 if i == 0 else tokens)
-            else:
-                shape.append(1 if given else tokens)
-                given = True
-        if is_int:
-            if "mask" in name:
-                feeds[v.name] = np.ones(shape, dt)
-            elif "position" in name:
-                feeds[v.name] = np.broadcast_to(np.arange(shape[-1], dtype=dt), shape).copy()
-            else:
-                vocab = 2
-                for n in _consumers(v):
-                    if n.op_type == "Gather" and _const(n.inputs[0]) is not None:
-                        vocab = n.inputs[0].shape[0]
-                feeds[v.name] = rng.integers(0, vocab, shape).astype(dt)
-        elif dt == np.bool_:
-            feeds[v.name] = np.ones(shape, dt)
-        else:
-            feeds[v.name] = rng.standard_normal(shape).astype(dt)
-    return feeds
-
-
-class _Prober:
-    """One onnxruntime session of the (unmodified) model with the wanted intermediate values as
-    extra outputs; ``run(tokens)`` feeds synthetic inputs of that many positions.
-
-    A bfloat16 model runs as its float32 twin (``_graph.float32_twin``: onnxruntime's CPU provider
-    has no bfloat16 Mul/MatMul); the twin's values keep their names, so the probe arrays answer
-    for the model's values, in float32."""
-
-    def __init__(self, model: ir.Model, wanted: list[ir.Value]):
-        import onnxruntime as ort
-
-        self.names = [v.name for v in wanted]
-        if has_bfloat16(model):
-            model = float32_twin(model)
-            wanted = same_values(model, wanted)
-        self.model = model
-        if any(op.domain == DOMAIN for op in model.graph):
-            from ort_ops._lib import session_options
-
-            so = session_options()
-        else:
-            so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 4
-        self.session = probe_session(model, wanted, so)
-
-    def run(self, tokens: int) -> dict[str, np.ndarray]:
-        feeds = _probe_inputs(self.model.graph, tokens, np.random.default_rng(tokens))
-        return dict(zip(self.names, self.session.run(self.names, feeds)))
+    """The float MoE with given routing (``ort_ops.ops._moe.moe_experts_float``): x [T, H],
+    ids/wts [T, K] -> float64 [T, H], the reading's optional biases added after each
+    projection, ``act`` between them."""
+    gate_up = np.concatenate([w.w_gate, w.w_up], axis=2)
+    bias = None if w.b_gate is None else np.concatenate([w.b_gate, w.b_up], axis=1)
+    return moe_experts_float(x, ids, wts, gate_up, w.w_down, bias, w.b_down, act.name, act.alpha, act.limit)
 
 
 def _matches(got: np.ndarray, want: np.ndarray, dtype=np.float32) -> bool:
@@ -905,7 +746,7 @@ def _candidates(graph: ir.Graph) -> tuple[list[_Candidate], list[Decline]]:
             # report it when it looks like one (float scores from a projection).
             declined.append(Decline(n.name or "TopK", str(e)))
             continue
-        k = _const(n.inputs[1])
+        k = const_array(n.inputs[1])
         if k is None or k.size != 1:
             declined.append(Decline(n.name, "top-k count is not a constant"))
             continue
@@ -1032,9 +873,6 @@ def _initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
     return v
 
 
-WEIGHT_LAYOUTS = ("EKN", "ENK", "EN16K4")
-
-
 def check_weight_layout(weight_layout: str) -> None:
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"rewrite: moe_weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, "
@@ -1045,11 +883,11 @@ def _en16k4_or_ekn(q: np.ndarray, what: str, dim: str) -> str:
     """"EN16K4" if ``q`` [E, K, N] can be packed (K % 4 == 0), else "EKN" with a warning naming the
     weight, so that no block is left half rewritten."""
     if q.shape[1] % 4 == 0:
-        return "EN16K4"
+        return EN16K4
     import warnings
     warnings.warn(f"rewrite: moe_weight_layout EN16K4 needs the {dim} to be a multiple of 4, "
                   f"got {q.shape[1]}: this block's {what} weight keeps EKN", stacklevel=3)
-    return "EKN"
+    return EKN
 
 
 def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict]:
@@ -1058,12 +896,11 @@ def _swiglu_weight(gu_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, di
     "EN16K4" packed as AMX B tiles [E, ceil(2I/16), H/4, 16, 4]. That needs H % 4 == 0; a block
     with another H keeps "EKN" (with a warning), so no block is left half rewritten."""
     check_weight_layout(weight_layout)
-    if weight_layout == "EN16K4":
+    if weight_layout == EN16K4:
         weight_layout = _en16k4_or_ekn(gu_q, "gate/up", "hidden size")
-    if weight_layout == "EKN":
+    if weight_layout == EKN:
         return gu_q, {}
-    if weight_layout == "EN16K4":
-        from ort_ops.ops._moe import pack_en16k4
+    if weight_layout == EN16K4:
         return pack_en16k4(gu_q), {"weight_layout": weight_layout}
     return np.ascontiguousarray(gu_q.transpose(0, 2, 1)), {"weight_layout": weight_layout}
 
@@ -1074,15 +911,14 @@ def _down_weight(dn_q: np.ndarray, weight_layout: str) -> tuple[np.ndarray, dict
     warning); "EKN" and "ENK" keep [E, I, H] ("ENK" is the Hopper wgmma kernel's gate/up operand;
     GroupedMatmulDequant on the CUDA EP reads "EKN" only)."""
     check_weight_layout(weight_layout)
-    if weight_layout != "EN16K4" or _en16k4_or_ekn(dn_q, "down", "intermediate size") == "EKN":
+    if weight_layout != EN16K4 or _en16k4_or_ekn(dn_q, "down", "intermediate size") == EKN:
         return dn_q, {}
-    from ort_ops.ops._moe import pack_en16k4
-    return pack_en16k4(dn_q, "GroupedMatmulDequant"), {"weight_layout": "EN16K4"}
+    return pack_en16k4(dn_q, "GroupedMatmulDequant"), {"weight_layout": EN16K4}
 
 
 def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, weights: ir.Value,
                     w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                    weight_layout: str = "EKN", *, b_gate: np.ndarray | None = None,
+                    weight_layout: str = EKN, *, b_gate: np.ndarray | None = None,
                     b_up: np.ndarray | None = None, b_down: np.ndarray | None = None,
                     act: _Activation = SILU) -> tuple[list[ir.Node], ir.Value, int]:
     """The INT8 chain for x [T, H], ids [T, K] (any int), weights [T, K] and float expert weights
@@ -1092,7 +928,6 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     GEMMs' float32 bias inputs ([E, 2I] as [gate | up], like the weight's columns); ``act`` sets
     GroupedMatmulSwigluQuant's activation attributes. Returns (nodes, out [T, H] float32, bytes of
     the INT8 weights, scales and biases). Nodes are not yet inserted."""
-    from ort_ops.ops.moe_layer import quantize_expert_weights
 
     e = w_gate.shape[0]
     gu_q, gu_s = quantize_expert_weights(np.concatenate([w_gate, w_up], axis=2))
@@ -1150,7 +985,7 @@ def _replace_value(old: ir.Value, new: ir.Value) -> None:
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
 
 
-def _replace_block(model: ir.Model, block: _Block, weight_layout: str = "EKN") -> tuple[int, ir.Value]:
+def _replace_block(model: ir.Model, block: _Block, weight_layout: str = EKN) -> tuple[int, ir.Value]:
     graph = model.graph
     cand = block.cand
     prefix = f"moe_int8/{cand.topk.name or 'block'}"
@@ -1176,9 +1011,9 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
     if n is None or n.domain not in ("", "ai.onnx"):
         return None
     if n.op_type == "MatMul":
-        w = _const(n.inputs[1])
+        w = const_array(n.inputs[1])
     elif n.op_type == "Gemm" and not attr_int(n, "transA", 0) and (len(n.inputs) < 3 or n.inputs[2] is None):
-        w = _const(n.inputs[1])
+        w = const_array(n.inputs[1])
         if w is not None and attr_int(n, "transB", 0):
             w = w.T
         if n.attributes.get("alpha") is not None and n.attributes["alpha"].as_float() != 1.0:
@@ -1191,7 +1026,7 @@ def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
 
 
 def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
-                        weight_layout: str = "EKN", proven: Iterable[tuple] = ()) -> dict | None:
+                        weight_layout: str = EKN, proven: Iterable[tuple] = ()) -> dict | None:
     """The shared expert added to a fused routed output (Qwen2-MoE: ``routed + Sigmoid(x @ g) *
     mlp(x)``; DeepSeek: ``routed + mlp(x)``) goes through the same INT8 GEMM ops as one expert
     that every token uses: DynamicQuant -> GroupedMatmulSwigluQuant -> GroupedMatmulDequant with
@@ -1266,9 +1101,8 @@ def _fuse_shared_expert(graph: ir.Graph, routed_out: ir.Value, prefix: str,
     return None
 
 
-def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = "EKN",
+def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = EKN,
                  x_dtype=ir.DataType.FLOAT, rank: int = 2) -> dict:
-    from ort_ops.ops.moe_layer import quantize_expert_weights
 
     gu_q, gu_s = quantize_expert_weights(np.concatenate([wg, wu], axis=1)[None])
     gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
@@ -1319,7 +1153,7 @@ def _dequantize_qmoe(q: ir.Value, scales: ir.Value, bits: int) -> np.ndarray:
     W = scale * (q - zero_point), zero point 128 for 8 bits and 8 for 4 bits, two 4-bit values
     per byte with the even element in the low nibble.
     """
-    qa, sa = _const(q), _const(scales)
+    qa, sa = const_array(q), const_array(scales)
     if qa is None or sa is None:
         raise _Declined("QMoE weights or scales are not constant initializers")
     if qa.dtype != np.uint8 or qa.ndim != 3 or sa.ndim != 2 or sa.shape != qa.shape[:2]:
@@ -1374,7 +1208,7 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
             return None
         if qmoe:
             return _dequantize_qmoe(v, s, bits)
-        w = _const(v)
+        w = const_array(v)
         if w is None:
             raise _Declined("expert weights are not constant initializers")
         return w.astype(np.float32)
@@ -1402,7 +1236,7 @@ def _contrib_weights(node: ir.Node) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return gate, up, w2, desc + (f", {bits}-bit" if qmoe else "")
 
 
-def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") -> dict:
+def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = EKN) -> dict:
     """Replaces one com.microsoft MoE / QMoE node (weights [E, out, in], ORT >= 1.22 layout)."""
     where = node.name or node.op_type
     x, logits = node.inputs[0], node.inputs[1]
@@ -1410,7 +1244,7 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = "EKN") ->
         raise _Declined(f"input is {x.dtype}, only float32 blocks are fused")
     gate, up, down, wdesc = _contrib_weights(node)
     e, inter, h = gate.shape
-    bytes_before = sum(int(_const(v).nbytes) for v in list(node.inputs)[2:] if v is not None)
+    bytes_before = sum(int(const_array(v).nbytes) for v in list(node.inputs)[2:] if v is not None)
     k = attr_int(node, "k", 1)
     graph = model.graph
     prefix = f"moe_int8/{where}"
@@ -1461,7 +1295,7 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
     (float32) and after (int8 + float32 scales).
     """
     result = FusionResult(kind="moe")
-    layout = getattr(options, "moe_weight_layout", "EKN")
+    layout = getattr(options, "moe_weight_layout", EKN)
     check_weight_layout(layout)  # before any change to the model
     blocks_info: list[dict] = []
     graph = model.graph
@@ -1493,14 +1327,18 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
         wanted = list({id(v): v for v in wanted}.values())
         probes, probe_error = [], None
         try:
-            prober = _Prober(model, wanted)
+            prober = Prober(model, wanted)
+
+            def run(tokens: int) -> dict:
+                return prober.run(synthetic_feeds(prober.model.graph, tokens, np.random.default_rng(tokens)))
+
             for t in PROBE_TOKENS[:2]:
-                probes.append(prober.run(t))
+                probes.append(run(t))
             # A long prompt hitting every expert checks every expert's weights; retry longer if not.
             for c in cands:
                 hit = np.unique(probes[0][c.ids.name])
                 if hit.size < c.num_experts:
-                    probes.append(prober.run(PROBE_TOKENS[2]))
+                    probes.append(run(PROBE_TOKENS[2]))
                     break
         except Exception as e:  # the original model itself fails on a probe: nothing is provable
             probe_error = ("the original model fails on probe inputs (a 1-token or longer prompt): a graph "
@@ -1559,6 +1397,6 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
     if blocks_info:
         result.details["forms"]["expert weight bytes"] = "{} -> {}".format(
             sum(b["weight_bytes_before"] for b in blocks_info), sum(b["weight_bytes_after"] for b in blocks_info))
-        if layout != "EKN":
+        if layout != EKN:
             result.details["forms"]["weight layout"] = layout
     return result

@@ -70,7 +70,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA E
 # The paged model's inputs, outputs and metadata: the contract with the runtime.
 from ort_ops.paged_interface import (  # noqa: E402
     BLOCK_TABLES, CACHE_PARTS, CU_SEQLENS_Q, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, STEP_TABLES,
-    cache_input_name, cache_output_name, make_metadata)
+    cache_input_name, cache_output_name, cache_shapes, make_metadata)
 
 
 @dataclasses.dataclass
@@ -1203,13 +1203,9 @@ def _prepare_paged_io(ctx: _Ctx, present_names: dict) -> None:
     bs = ctx.options.block_size
     for layer in range(n_layers):
         hkv, d = hkv_d.get(layer, ("num_kv_heads", "head_dim"))
-        shapes = {"key": (ir.DataType.INT8, ["num_blocks", hkv, bs, d]),
-                  "value": (ir.DataType.INT8, ["num_blocks", hkv, d, bs]),
-                  "key_scale": (ir.DataType.FLOAT, ["num_blocks", hkv, bs]),
-                  "value_scale": (ir.DataType.FLOAT, ["num_blocks", hkv, bs])}
-        for part in CACHE_PARTS:
-            dt, shape = shapes[part]
-            v = ir.Value(name=cache_input_name(layer, part), type=ir.TensorType(dt), shape=ir.Shape(shape))
+        for part, (shape, dt) in zip(CACHE_PARTS, cache_shapes("num_blocks", hkv, bs, d)):
+            v = ir.Value(name=cache_input_name(layer, part), type=ir.TensorType(ir.DataType.from_numpy(dt)),
+                         shape=ir.Shape(list(shape)))
             graph.inputs.append(v)
             ctx.shared["cache_in"][(layer, part)] = v
     # present outputs: Concat(past, new) of each layer, or Attention's present outputs
@@ -1276,6 +1272,16 @@ def _reroute_past_shapes(ctx: _Ctx) -> None:
             node.replace_input_with(0, ids)
 
 
+def _downstream_of_past(ctx: _Ctx) -> set[ir.Value]:
+    """The past inputs and every value computed from one of them, in one forward pass (graph
+    order is topological): what may still read the cache length after fusion."""
+    tainted = set(ctx.past_layer)
+    for node in ctx.model.graph:
+        if any(i in tainted for i in node.inputs if i is not None):
+            tainted.update(o for o in node.outputs if o is not None)
+    return tainted
+
+
 def _fold_structural_ints(ctx: _Ctx) -> None:
     """Integer values computed from a past input's shape that are the same on both probes (head
     counts, head_dim: what the TorchScript exporter reads from the repeated V's shape) become
@@ -1283,11 +1289,7 @@ def _fold_structural_ints(ctx: _Ctx) -> None:
     if not ctx.probes2:
         return
     graph = ctx.model.graph
-    # values downstream of a past input, in one forward pass (graph order is topological)
-    tainted = set(ctx.past_layer)
-    for node in graph:
-        if any(i in tainted for i in node.inputs if i is not None):
-            tainted.update(o for o in node.outputs if o is not None)
+    tainted = _downstream_of_past(ctx)
     for node in list(graph):
         for out in node.outputs:
             if out not in tainted or not out.uses() or out.name not in ctx.probes or out.name not in ctx.probes2:
@@ -1321,10 +1323,7 @@ def _positions_from_cache_length(ctx: _Ctx) -> None:
     if not ctx.probes2:
         return
     graph = ctx.model.graph
-    tainted = set(ctx.past_layer)
-    for node in graph:
-        if any(i in tainted for i in node.inputs if i is not None):
-            tainted.update(o for o in node.outputs if o is not None)
+    tainted = _downstream_of_past(ctx)
     done = set()
     for node in list(graph):
         for out in node.outputs:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ort_ops.ops._moe import EKN
+
 
 @dataclasses.dataclass
 class RewriteOptions:
@@ -23,7 +25,7 @@ class RewriteOptions:
     attention: bool = True
     moe: bool = True
     moe_shared_expert: str = "int8"  # int8 (one always-on expert through the MoE GEMMs) | float
-    moe_weight_layout: str = "EKN"  # GroupedMatmulSwigluQuant's weight: EKN [E, H, 2I] | ENK [E, 2I, H]
+    moe_weight_layout: str = EKN  # GroupedMatmulSwigluQuant's weight: EKN [E, H, 2I] | ENK [E, 2I, H]
     norms: bool = True  # RMSNorm chains as ORT's SimplifiedLayerNormalization
 
 

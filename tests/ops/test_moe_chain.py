@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""The whole INT8 MoE chain as one ONNX model on the CPU EP (ort_ops.ops.moe_layer):
+"""The whole INT8 MoE chain as one ONNX model on the CPU EP (ort_ops.testing.moe_layer):
 bit-exact against the chain of numpy references, and within MOE_CHAIN_VS_FLOAT_REL_L2 of the
 float64 MoE layer. Also the router-in-graph form (Softmax/TopK like com.microsoft.MoE)."""
 
@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from ort_ops._lib import session_options
-from ort_ops.ops import moe_layer as ml
+from ort_ops.testing import moe_layer as ml
 from tests.tolerances import MOE_CHAIN_VS_FLOAT_REL_L2, MOE_CHAIN_VS_W8A8_REL_L2, MOE_W8A8_ISSUE_SHAPE_REL_L2
 
 # hidden, intermediate, experts, top-k, tokens, shared-expert intermediate

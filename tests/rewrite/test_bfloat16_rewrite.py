@@ -21,11 +21,11 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from ort_ops.ops import moe_layer as ml
 from ort_ops.rewrite import rewrite_model
 from ort_ops.rewrite._graph import float32_io, float32_twin, has_bfloat16
 from ort_ops.rewrite.moe import fuse_moe
 from ort_ops.runtime import DenseRunner
+from ort_ops.testing import moe_layer as ml
 from ort_ops.verify import teacher_forced_agreement, verify
 from tests.tolerances import (
     ATTN_REWRITE_GREEDY_AGREEMENT,

@@ -26,7 +26,7 @@ import pytest
 
 from graphs.moe import build_contrib_moe, build_moe
 from ort_ops._lib import session_options
-from ort_ops.ops import moe_layer as ml
+from ort_ops.testing import moe_layer as ml
 from ort_ops.rewrite.moe import fuse_moe
 from ort_ops.verify import teacher_forced_agreement, verify
 from tests.tolerances import (MOE_CHAIN_VS_FLOAT_REL_L2, MOE_REWRITE_GREEDY_AGREEMENT,

@@ -62,6 +62,30 @@ using WeightScratch = std::unique_ptr<int8_t[], FreeDeleter>;
 Problem read_problem_layout(const char* op, Ort::KernelContext& ctx, WeightLayout layout, int64_t group_list_type,
                             bool even_n, const Kernels& kern, WeightScratch& scratch);
 
+// What both CPU ops read once, at kernel creation: the CPU variant (errors name `op`), the
+// attributes group_list_type and weight_layout, and that variant's GEMM kernels; it also advises
+// 2 MB pages for the weight (input 1, advise_weight_pages).
+struct CpuOpConfig {
+  CpuOpConfig(const char* op, const OrtKernelInfo* info)
+      : isa(selected_isa(op)),
+        group_list_type(read_group_list_type(op, info)),
+        layout(gmsq_layout::read_weight_layout(op, info)),
+        kernels(kernels_for(isa)) {
+    advise_weight_pages(info, 1);
+  }
+
+  // read_problem_layout with these attributes and kernels.
+  Problem read_problem(const char* op, Ort::KernelContext& ctx, bool even_n,
+                       WeightScratch& scratch) const {
+    return read_problem_layout(op, ctx, layout, group_list_type, even_n, kernels, scratch);
+  }
+
+  CpuIsa isa;
+  int64_t group_list_type;
+  WeightLayout layout;
+  Kernels kernels;
+};
+
 // Runs every (expert, row chunk, column tile) task, and for few-row experts every (expert,
 // k block) partial-sum task then one epilogue task per expert, over ORT's pool.
 //   kDequant: out = y [M, N] (ldo = N), columns [0, N).

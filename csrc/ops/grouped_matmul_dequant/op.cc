@@ -5,9 +5,9 @@
 // N may be odd); output y float32 [M, N] = (float(x . W_e) * x_scale[m]) * weight_scale[e, n],
 // zeros past the last group end. "EN16K4" with AMX: the panels read the weight as it is, for
 // every expert (with "EKN" an expert of up to kGemvRows rows takes the few-row path, one of more
-// the panels, which pack [K, N] into tile order on every Run; at 16 tokens the layer is bound by
-// these weight reads: 64 experts x 2 rows, K 1408, N 2048, 2 threads: EKN 15.4-15.9 ms, EN16K4
-// 9.1-9.5 ms, benchmarks/RESULTS_cpu.md); without AMX each used expert is unpacked to [K, N]
+// the panels, which pack [K, N] into tile order on every Run: at a few tokens the layer is bound
+// by these weight reads, so the pre-packed layout is the faster one there; benchmarks/bench_moe.py
+// measures both, benchmarks/RESULTS_cpu.md); without AMX each used expert is unpacked to [K, N]
 // per Run.
 #include "ops/grouped_matmul_dequant/op.h"
 
@@ -25,28 +25,18 @@ constexpr const char* kOp = "GroupedMatmulDequant";
 
 class GroupedMatmulDequantCpu final : public KernelImpl {
  public:
-  explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info)
-      : isa_(selected_isa(kOp)),
-        group_list_type_(grouped_matmul::read_group_list_type(kOp, info)),
-        layout_(gmsq_layout::read_weight_layout(kOp, info)),
-        kernels_(grouped_matmul::kernels_for(isa_)) {
-    grouped_matmul::advise_weight_pages(info, 1);
-  }
+  explicit GroupedMatmulDequantCpu(const OrtKernelInfo* info) : cfg_(kOp, info) {}
 
   void compute(Ort::KernelContext& ctx) override {
     grouped_matmul::WeightScratch weight_ekn;  // "ENK" / "EN16K4" without panels: the used experts in [K, N]
-    const grouped_matmul::Problem p =
-        grouped_matmul::read_problem_layout(kOp, ctx, layout_, group_list_type_, false, kernels_, weight_ekn);
+    const grouped_matmul::Problem p = cfg_.read_problem(kOp, ctx, false, weight_ekn);
     float* y = make_output<float>(ctx, 0, {p.m, p.n});
     std::fill(y + p.rows_used * p.n, y + p.m * p.n, 0.0f);
-    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kDequant, kernels_, y, p.n);
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kDequant, cfg_.kernels, y, p.n);
   }
 
  private:
-  CpuIsa isa_;
-  int64_t group_list_type_;
-  gmsq_layout::WeightLayout layout_;
-  grouped_matmul::Kernels kernels_;
+  grouped_matmul::CpuOpConfig cfg_;
 };
 
 }  // namespace

@@ -198,8 +198,8 @@ __device__ __forceinline__ float c_value(uint32_t acc, float xs, float2 w, bool 
 // Two passes: every element by the branch-free division, the raw gate accumulator kept (and a
 // bit set in `redo`) where the gate value is outside div_rn_fast's range; then, only in threads
 // with such elements, those elements again by the exact division (epi::swiglu_f32). So one
-// out-of-range value costs one exact element, where the previous per-thread choice sent all
-// 8 NJ elements of the thread (and stalled its warp) down the exact path.
+// out-of-range value costs one exact element, not all 8 NJ elements of its thread (which would
+// stall the warp on the exact path).
 template <int NJ>
 __device__ __forceinline__ void swiglu_tile_mixed(uint32_t (&acc)[8 * NJ], const GmsqParams& p,
                                                   const float* wsr, const float* bsr, int col0,

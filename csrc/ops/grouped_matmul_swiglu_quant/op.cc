@@ -12,9 +12,8 @@
 // "ENK" weights: the GEMM core (grouped_matmul/driver.h) reads [E, K, N], so each expert that has
 // rows in this Run is transposed into a scratch [E, K, N] first (one task per expert; unused
 // experts are neither read nor written). Same codes bit for bit; it costs a pass over the used
-// weights per Run, so "EKN" is the CPU's fast layout ("ENK" is the Hopper wgmma kernel's):
-// 8 experts x K 2048 x N 2816, 2 threads, medians of 9, one session: 32 rows EKN 2.3-2.5 ms,
-// ENK 24-41 ms; 512 rows 6.3-7.1 vs 28-29 ms (a shared 2-core VM).
+// weights per Run, so "EKN" is the CPU's fast layout ("ENK" is the Hopper wgmma kernel's; the
+// measurements are in benchmarks/RESULTS_cpu.md, from benchmarks/bench_moe.py).
 // "EN16K4" weights: with AMX the panels read them as they are (every expert, any row count, in
 // chunks of kAmxPanelRows rows); other ISAs unpack each used expert into the scratch first.
 #include "ops/grouped_matmul_swiglu_quant/op.h"
@@ -33,24 +32,17 @@ namespace ort_ops {
 namespace {
 
 constexpr const char* kOp = "GroupedMatmulSwigluQuant";
-using gmsq_layout::WeightLayout;
 
 class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
  public:
   explicit GroupedMatmulSwigluQuantCpu(const OrtKernelInfo* info)
-      : isa_(selected_isa(kOp)),
-        group_list_type_(grouped_matmul::read_group_list_type(kOp, info)),
-        layout_(gmsq_layout::read_weight_layout(kOp, info)),
+      : cfg_(kOp, info),
         act_(grouped_matmul::read_activation(kOp, info)),
-        kernels_(grouped_matmul::kernels_for(isa_)),
-        quantize_row_(dynamic_quant::quantize_row_fn(isa_)) {
-    grouped_matmul::advise_weight_pages(info, 1);
-  }
+        quantize_row_(dynamic_quant::quantize_row_fn(cfg_.isa)) {}
 
   void compute(Ort::KernelContext& ctx) override {
     grouped_matmul::WeightScratch weight_ekn;  // "ENK" / "EN16K4" without panels: the used experts in [K, N]
-    const grouped_matmul::Problem p =
-        grouped_matmul::read_problem_layout(kOp, ctx, layout_, group_list_type_, true, kernels_, weight_ekn);
+    const grouped_matmul::Problem p = cfg_.read_problem(kOp, ctx, true, weight_ekn);
     const int64_t h = p.n / 2;
     int8_t* y = make_output<int8_t>(ctx, 0, {p.m, h});
     float* y_scale = make_output<float>(ctx, 1, {p.m});
@@ -73,16 +65,13 @@ class GroupedMatmulSwigluQuantCpu final : public KernelImpl {
           fail_invalid(kOp, "row ", r,
                        ": the SwiGLU output overflows float32; check inputs 'x_scale' and 'weight_scale'");
     };
-    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, kernels_, s.get(), h,
+    grouped_matmul::run_tiles(kOp, ctx, p, grouped_matmul::Mode::kSwiglu, cfg_.kernels, s.get(), h,
                               quantize_rows, act_);
   }
 
  private:
-  CpuIsa isa_;
-  int64_t group_list_type_;
-  WeightLayout layout_;
+  grouped_matmul::CpuOpConfig cfg_;
   grouped_matmul::Act act_;
-  grouped_matmul::Kernels kernels_;
   dynamic_quant::QuantizeRowFn quantize_row_;
 };
 

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: MIT
-"""A float MoE layer in numpy, its offline weight quantization, and the same layer as the INT8
-op chain run through the references (what the native chain must equal).
+"""Test and benchmark helpers: a float MoE layer in numpy (random weights, router, the float64
+yardstick), and the same layer as the INT8 op chain run through the references (what the
+native chain must equal) or built as one ONNX model. What the rewrite needs lives in the op
+layer: ``ort_ops.ops._quant.quantize_expert_weights`` and ``ort_ops.ops._moe.moe_experts_float``.
 
 Alphabet: T tokens, H hidden size, I intermediate size per expert, E experts, K top-k.
 
@@ -33,7 +35,7 @@ INT8 chain (DESIGN.md "MoE"); the router stays float, so the chain's error is th
     MoeFinalizeRouting(expert_out, sorted_to_flat, topk_w, residual=shared) -> out float32
 
 Weights are quantized offline per output channel, the contract's rule over K:
-``weight_scale[e, n] = max_k |W[e, k, n]| / 127``.
+``weight_scale[e, n] = max_k |W[e, k, n]| / 127`` (``quantize_expert_weights``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from ort_ops.ops import (
     moe_finalize_routing,
     moe_init_routing,
 )
-from ort_ops.ops._quant import quantize_rows
+from ort_ops.ops._moe import OAI_ALPHA, OAI_LIMIT, activation_float, moe_experts_float
+from ort_ops.ops._quant import quantize_expert_weights, quantize_rows
 
 
 @dataclasses.dataclass
@@ -100,14 +103,6 @@ def random_moe_weights(rng: np.random.Generator, hidden: int, inter: int, num_ex
     return w
 
 
-def quantize_expert_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-output-channel INT8 weights: W float [E, K, N] -> (int8 [E, K, N], scale float32 [E, N]).
-
-    The contract's rule over K: scale = max_k |W[e, k, n]| / 127, q = rint(W * (127 / amax)).
-    """
-    return quantize_rows(np.asarray(w, np.float32), axis=1)
-
-
 def quantize_moe_weights(w: MoeWeights) -> QuantizedMoeWeights:
     q = QuantizedMoeWeights(*quantize_expert_weights(w.w_gate_up), *quantize_expert_weights(w.w_down))
     if w.shared_gate_up is not None:
@@ -134,35 +129,9 @@ def route(x: np.ndarray, router: np.ndarray, top_k: int, renormalize: bool = Tru
     return ids, wts.astype(np.float32)
 
 
-def _silu(a):
-    return a / (1.0 + np.exp(-a))
-
-
-ACTIVATIONS = grouped_matmul_swiglu_quant.ACTIVATIONS
-OAI_ALPHA = grouped_matmul_swiglu_quant.OAI_ALPHA
-OAI_LIMIT = grouped_matmul_swiglu_quant.OAI_LIMIT
-
-
-def _activation(c, activation: str, alpha: float, limit: float):
-    """h [.., I] from c [.., 2I] = [A | G] in c's float type (GroupedMatmulSwigluQuant's activations)."""
-    i = c.shape[-1] // 2
-    a, g = c[..., :i], c[..., i:]
-    if activation == "swiglu":
-        return _silu(a) * g
-    if activation == "swiglu_oai":
-        a = np.minimum(a, limit)
-        g = np.clip(g, -limit, limit)
-        return (g + 1.0) * (a / (1.0 + np.exp(-alpha * a)))
-    raise ValueError(f"moe_layer: activation must be one of {ACTIVATIONS}, got '{activation}'")
-
-
-def _expert_float(x, w_gate_up, w_down, b_gate_up=None, b_down=None, activation="swiglu", alpha=OAI_ALPHA,
-                  limit=OAI_LIMIT):
-    c = x @ w_gate_up
-    if b_gate_up is not None:
-        c = c + b_gate_up
-    y = _activation(c, activation, alpha, limit) @ w_down
-    return y + b_down if b_down is not None else y
+def _expert_float(x, w_gate_up, w_down):
+    """A plain SwiGLU expert (the shared one) in x's float type."""
+    return activation_float(x @ w_gate_up) @ w_down
 
 
 def _bias64(b, e):
@@ -180,13 +149,8 @@ def moe_layer_float(x: np.ndarray, w: MoeWeights, top_k: int, renormalize: bool 
     """
     x64 = np.asarray(x, np.float64)
     ids, wts = routing if routing is not None else route(x, w.router, top_k, renormalize)
-    out = np.zeros_like(x64)
-    for e in range(w.num_experts):
-        t, j = np.nonzero(ids == e)
-        if t.size:
-            y = _expert_float(x64[t], w.w_gate_up[e].astype(np.float64), w.w_down[e].astype(np.float64),
-                              _bias64(w.gate_up_bias, e), _bias64(w.down_bias, e), activation, alpha, limit)
-            np.add.at(out, t, wts[t, j, None].astype(np.float64) * y)
+    out = moe_experts_float(x64, ids, wts, w.w_gate_up, w.w_down, w.gate_up_bias, w.down_bias, activation,
+                            alpha, limit)
     if w.shared_gate_up is not None:
         out += _expert_float(x64, w.shared_gate_up[0].astype(np.float64), w.shared_down[0].astype(np.float64))
     return out.astype(np.float32)
@@ -258,7 +222,7 @@ def moe_layer_w8a8(x: np.ndarray, w: MoeWeights, routing: tuple[np.ndarray, np.n
         c = xe @ gu
         if bgu is not None:
             c = c + bgu
-        h = _activation(c, act, alpha, limit)
+        h = activation_float(c, act, alpha, limit)
         y = (rows(h) if "h" in quant else h) @ dn
         return y + bd if bd is not None else y
 
