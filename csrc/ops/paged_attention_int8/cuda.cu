@@ -37,6 +37,9 @@
 // output is written, or in the merge kernel when the keys were split.
 // No full-precision copy of K or V exists anywhere: codes go from memory to the tensor cores.
 // Steps (each __forceinline__; those shared with cuda_prefill.cu are in cuda_steps.cuh):
+//   paged_attention_kernel: general_work, GenLoader (block ids and stage copies), general_row,
+//     per stage general_scores (phase 1), general_codes (phases 2+3), general_rescale_o and
+//     general_pv_tile (phase 4); then general_row_sums and general_write_out.
 //   decode_warp_kernel: warp_decode_work, WdIds (raw block ids), warp_decode_query_row, WdLoader
 //     (stage copies), per stage warp_decode_stage (warp_decode_scores, rescale_row,
 //     group_weights8, warp_decode_pv); then warp_decode_merge_out.
@@ -109,133 +112,161 @@ struct Cfg {
 };
 static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= kSm90SmemPerSm, "three decode CTAs per SM (D 128, int8 P.V)");
 
-struct Work {
-  int s, h, ht, qtile, split;
-  int q_start, q_len, seq_len;
-};
-
 struct TileShape {
   int n_qt, n_ht, hpt, qpt, nsplit, ppc;
 };
 
-template <int D, PvQuant PV, bool ROWS16>
-__global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS16 ? 16 : 8>::MIN_BLOCKS)
-    paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
-  using C = Cfg<D, ROWS16 ? 16 : 8>;
-  constexpr int kWarps = C::W;
-  constexpr int kThreads = C::THREADS;
-  constexpr int KT = C::KT;
-  constexpr int QW = D / 16;   // 32-bit words of one row's d slice per lane (D/4 bytes)
-  constexpr int NT = D / 8 / kWarps;  // 8-column n-tiles per warp in P.V (warp owns D/kWarps columns)
-  constexpr bool kF16 = PV == PvQuant::kNone;
-  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
-  constexpr int kRi = ROWS16 ? 2 : 1;
-  constexpr int CS = C::c_stride(kF16);
-  constexpr int NKC = KT * D / 16 / kThreads;  // 16-byte K chunks per thread per stage
-  constexpr int NVC = D * KT / 16 / kThreads;  // 16-byte V chunks per thread per stage (one segment)
-  constexpr int SEGS = KT / 16;                // 16-key segments of a V row in a stage
-  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % (D / 16) == 0, "stage shape");
-  static_assert(NT >= 1, "head_dim too small for the warp count");
+// ---- the general kernel's steps ----
+// The CTA's work: (sequence, kv head, head tile, row tile, split), its query rows and keys.
+struct Work {
+  int s, h, ht, qtile, split;
+  int q_start, q_len, seq_len;
+  int rows_used;         // rows of the tile: qpt queries x hpt heads
+  int k_first;           // the tile's first query's window start (0 without a window)
+  int k_lo, k_hi, nstages;  // this split's keys the tile sees: [k_lo, k_hi), in stages of KT
+};
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* s_sm = reinterpret_cast<float*>(smem + C::S_OFF);
-  unsigned char* c_sm = smem + C::C_OFF;
-  float* g_sm = reinterpret_cast<float*>(smem + C::g_off(kF16));
-  float* red_max = reinterpret_cast<float*>(smem + C::misc_off(kF16));
-  float* red_sum = red_max + kWarps * kRows;
-  float* row_m = red_sum + kWarps * kRows;  // [2][16]: running max before / after a stage
-  float* row_l = row_m + 2 * kRows;
-  int* row_lim = reinterpret_cast<int*>(row_l + 3 * kRows);
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
-  const int G = Hq / Hkv;
-  const int partition = p.partition_size;
-
-  // ---- which work this CTA does ----
-  Work w;
-  {
-    int64_t idx = blockIdx.x;
-    w.qtile = static_cast<int>(idx % ts.n_qt);
-    idx /= ts.n_qt;
-    w.split = static_cast<int>(idx % ts.nsplit);
-    idx /= ts.nsplit;
-    w.ht = static_cast<int>(idx % ts.n_ht);
-    idx /= ts.n_ht;
-    w.h = static_cast<int>(idx % Hkv);
-    w.s = static_cast<int>(idx / Hkv);
-  }
+// Decodes blockIdx.x (row tile fastest) and checks the sequence's rows and length. Returns false
+// when the CTA has nothing to do (a tile past the sequence's queries, or a flagged bad input).
+template <int KT>
+__device__ __forceinline__ bool general_work(const PagedAttentionParams& p, const TileShape& ts, int Hkv, int B,
+                                             int partition, int tid, Work& w) {
+  int64_t idx = blockIdx.x;
+  w.qtile = static_cast<int>(idx % ts.n_qt);
+  idx /= ts.n_qt;
+  w.split = static_cast<int>(idx % ts.nsplit);
+  idx /= ts.nsplit;
+  w.ht = static_cast<int>(idx % ts.n_ht);
+  idx /= ts.n_ht;
+  w.h = static_cast<int>(idx % Hkv);
+  w.s = static_cast<int>(idx / Hkv);
   if (p.cu_seqlens_q != nullptr) {
-    w.q_start = p.cu_seqlens_q[w.s];
-    const int q_end = p.cu_seqlens_q[w.s + 1];
-    w.q_len = q_end - w.q_start;
-    const bool bad = w.q_start < 0 || w.q_len < 0 || q_end > p.num_tokens || w.q_len > p.max_q_len ||
-                     (w.s == 0 && w.q_start != 0) || (w.s == p.num_seqs - 1 && q_end != p.num_tokens);
-    if (bad) {
+    if (!read_cu_seqlens(p, w.s, w.q_start, w.q_len)) {
       if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
-      return;
+      return false;
     }
   } else {
     w.q_start = w.s;
     w.q_len = 1;
   }
-  const int rows_used = ts.qpt * ts.hpt;
-  if (w.qtile * ts.qpt >= w.q_len) return;
+  w.rows_used = ts.qpt * ts.hpt;
+  if (w.qtile * ts.qpt >= w.q_len) return false;
   w.seq_len = p.seq_lens[w.s];
   // The tile's first query sees keys from k_first on (window; 0 without). Decode splits start at
   // its 32-aligned start (tile_shape splits the window's span); prefill splits stay absolute.
-  const int k_first = window_first(static_cast<int64_t>(w.seq_len) - w.q_len + w.qtile * ts.qpt, p.window);
-  const int k_base = p.max_q_len == 1 ? (k_first & ~31) : 0;
+  w.k_first = window_first(static_cast<int64_t>(w.seq_len) - w.q_len + w.qtile * ts.qpt, p.window);
+  const int k_base = p.max_q_len == 1 ? (w.k_first & ~31) : 0;
   if (w.seq_len < w.q_len || w.seq_len > p.max_blocks * B ||
       w.seq_len - k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
-    return;
+    return false;
   }
   const int last_q = min(w.q_len - 1, w.qtile * ts.qpt + ts.qpt - 1);
   const int key_hi = w.seq_len - w.q_len + last_q + 1;  // keys this tile can see: [0, key_hi)
   const int k_split = k_base + w.split * ts.ppc * partition;
-  const int k_hi = min(k_split + ts.ppc * partition, key_hi);
-  const int k_lo = max(k_split, k_first & ~31);  // this split's keys the tile sees: [k_lo, k_hi)
-  const int nstages = k_hi > k_lo ? (k_hi - k_lo + KT - 1) / KT : 0;
+  w.k_hi = min(k_split + ts.ppc * partition, key_hi);
+  w.k_lo = max(k_split, w.k_first & ~31);
+  w.nstages = w.k_hi > w.k_lo ? (w.k_hi - w.k_lo + KT - 1) / KT : 0;
+  return true;
+}
 
-  // Row r -> (query token, q head); rows past the tile or the group see no keys.
-  auto row_info = [&](int r, int& token, int& head) -> int {
-    token = -1;
-    head = -1;
-    if (r >= rows_used) return 0;
-    const int qi = w.qtile * ts.qpt + r / ts.hpt;
-    const int hl = w.ht * kRows + r % ts.hpt;
-    if (qi >= w.q_len || hl >= G) return 0;
-    token = w.q_start + qi;
-    head = w.h * G + hl;
-    return w.seq_len - w.q_len + qi + 1;
+// Row r -> (query token, q head) and the keys it sees, [0, returned limit); rows past the tile
+// or the group see no keys (token and head -1).
+__device__ __forceinline__ int general_row(const Work& w, const TileShape& ts, int G, int r, int& token, int& head) {
+  token = -1;
+  head = -1;
+  if (r >= w.rows_used) return 0;
+  const int qi = w.qtile * ts.qpt + r / ts.hpt;
+  const int hl = w.ht * kRows + r % ts.hpt;
+  if (qi >= w.q_len || hl >= G) return 0;
+  token = w.q_start + qi;
+  head = w.h * G + hl;
+  return w.seq_len - w.q_len + qi + 1;
+}
+
+// The CTA's shared memory past the two stages (Cfg's layout).
+struct GenSmem {
+  float* s_sm;           // scores [R][S_STRIDE]
+  unsigned char* c_sm;   // P codes [R][c_stride]
+  float* g_sm;           // group scales [R][G_STRIDE]
+  float* red_max;        // [W][16] per-warp row maxima
+  float* red_sum;        // [W][16] per-warp row sums
+  float* row_m;          // [2][16]: running max before / after a stage
+  float* row_l;          // [16]
+  int* row_lim;          // [16]
+};
+
+template <typename C, bool kF16>
+__device__ __forceinline__ GenSmem general_smem(unsigned char* smem) {
+  GenSmem m;
+  m.s_sm = reinterpret_cast<float*>(smem + C::S_OFF);
+  m.c_sm = smem + C::C_OFF;
+  m.g_sm = reinterpret_cast<float*>(smem + C::g_off(kF16));
+  m.red_max = reinterpret_cast<float*>(smem + C::misc_off(kF16));
+  m.red_sum = m.red_max + C::W * kRows;
+  m.row_m = m.red_sum + C::W * kRows;
+  m.row_l = m.row_m + 2 * kRows;
+  m.row_lim = reinterpret_cast<int*>(m.row_l + 3 * kRows);
+  return m;
+}
+
+// ---- stage loads: block ids one stage ahead (registers), data two stages ahead (cp.async) ----
+// Each thread moves NKC K chunks (chunk c = tid + kThreads * i: key c / (D/16), 16 bytes at
+// (c % (D/16)) * 16, so 8 consecutive lanes read one 128-byte key row), one 16-key V segment
+// of NVC columns (8 lanes: 128 contiguous bytes of one V row) and, for tid < KT / 2, one 4-key
+// scale chunk. Block ids are looked up one stage ahead.
+template <int D, int R>
+struct GenLoader {
+  using C = Cfg<D, R>;
+  static constexpr int KT = C::KT;
+  static constexpr int kThreads = C::THREADS;
+  static constexpr int NKC = KT * D / 16 / kThreads;  // 16-byte K chunks per thread per stage
+  static constexpr int NVC = D * KT / 16 / kThreads;  // 16-byte V chunks per thread per stage (one segment)
+  static constexpr int SEGS = KT / 16;                // 16-key segments of a V row in a stage
+  static constexpr int kTokStep = kThreads / (D / 16);
+  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % (D / 16) == 0, "stage shape");
+  struct Ids {
+    int k[NKC];
+    int v, sc;
   };
 
-  // ---- stage loads: block ids one stage ahead (registers), data two stages ahead (cp.async) ----
-  const int32_t* bt = p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks;
-  const int64_t blk_stride = static_cast<int64_t>(Hkv) * B * D;  // bytes per cache block (K or V)
-  const int lb = p.log2_block_size;
-  auto block_of = [&](int pos) -> int {  // block of a visible position, or -1 (flagged)
+  const PagedAttentionParams& p;
+  unsigned char* smem;
+  const int32_t* bt;
+  int64_t blk_stride;  // bytes per cache block (K or V)
+  int tid, h, Hkv, B, lb, k_first, k_lo, k_hi, nstages;
+  int ktok, kpart, vseg, vd0, stok;
+
+  __device__ __forceinline__ GenLoader(const PagedAttentionParams& p_, const Work& w, int Hkv_, int B_,
+                                       unsigned char* smem_, int tid_)
+      : p(p_), smem(smem_), tid(tid_) {
+    h = w.h;
+    B = B_;
+    Hkv = Hkv_;
+    bt = p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks;
+    blk_stride = static_cast<int64_t>(Hkv) * B * D;
+    lb = p.log2_block_size;
+    k_first = w.k_first;
+    k_lo = w.k_lo;
+    k_hi = w.k_hi;
+    nstages = w.nstages;
+    ktok = tid / (D / 16);
+    kpart = tid % (D / 16);
+    vseg = tid % SEGS;
+    vd0 = tid / SEGS;
+    stok = 4 * (tid % (KT / 4));
+  }
+
+  __device__ __forceinline__ int block_of(int pos) const {  // block of a visible position, or -1 (flagged)
     const int b = bt[pos >> lb];
     if (b < 0 || b >= p.num_blocks) {
       atomicOr(p.status, kPaBlockOutOfRange);
       return -1;
     }
     return b;
-  };
-  // Each thread moves NKC K chunks (chunk c = tid + kThreads * i: key c / (D/16), 16 bytes at
-  // (c % (D/16)) * 16, so 8 consecutive lanes read one 128-byte key row), one 16-key V segment
-  // of NVC columns (8 lanes: 128 contiguous bytes of one V row) and, for tid < KT / 2, one 4-key
-  // scale chunk. Block ids are looked up one stage ahead.
-  const int ktok = tid / (D / 16), kpart = tid % (D / 16);
-  constexpr int kTokStep = kThreads / (D / 16);
-  const int vseg = tid % SEGS, vd0 = tid / SEGS;
-  const int stok = 4 * (tid % (KT / 4));
-  struct Ids {
-    int k[NKC];
-    int v, sc;
-  };
-  auto load_ids = [&](int j, Ids& ids) {
+  }
+
+  __device__ __forceinline__ void load_ids(int j, Ids& ids) const {
     const int kp0 = k_lo + j * KT;
     const int kend = min(kp0 + KT, k_hi);
     const bool live = j < nstages;
@@ -247,8 +278,10 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
     // Segments and scale chunks wholly before the window are not read (zero filled, masked).
     ids.v = (live && kp0 + 16 * vseg < kend && kp0 + 16 * vseg + 16 > k_first) ? block_of(kp0 + 16 * vseg) : -1;
     ids.sc = (live && tid < KT / 2 && kp0 + stok < kend && kp0 + stok + 4 > k_first) ? block_of(kp0 + stok) : -1;
-  };
-  auto issue = [&](int j, const Ids& ids) {
+  }
+
+  // Stage j's copies into slot j & 1 and their commit group.
+  __device__ __forceinline__ void issue(int j, const Ids& ids) const {
     unsigned char* st = smem + (j & 1) * C::STAGE;
     const int kp0 = k_lo + j * KT;
 #pragma unroll
@@ -256,14 +289,14 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const int tok = ktok + kTokStep * i;
       const bool ok = ids.k[i] >= 0;
       const int8_t* src = ok ? p.key_cache + ids.k[i] * blk_stride +
-                                   (static_cast<int64_t>(w.h) * B + ((kp0 + tok) & (B - 1))) * D + kpart * 16
+                                   (static_cast<int64_t>(h) * B + ((kp0 + tok) & (B - 1))) * D + kpart * 16
                              : p.key_cache;
       cp_async16(st + C::K_OFF + tok * C::KS + kpart * 16, src, ok);
     }
     {
       const bool ok = ids.v >= 0;
       const int8_t* src = ok ? p.value_cache + ids.v * blk_stride +
-                                   (static_cast<int64_t>(w.h) * D + vd0) * B + ((kp0 + 16 * vseg) & (B - 1))
+                                   (static_cast<int64_t>(h) * D + vd0) * B + ((kp0 + 16 * vseg) & (B - 1))
                              : p.value_cache;
       const int64_t src_step = static_cast<int64_t>(kThreads / SEGS) * B;
       unsigned char* dst = st + C::V_OFF + (vseg >> 2) * (D * 64) + vd0 * 64 + 16 * (vseg & 3);
@@ -275,34 +308,296 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const bool is_v = tid >= KT / 4;
       const bool ok = ids.sc >= 0;
       const float* base = is_v ? p.value_scale : p.key_scale;
-      const float* src = ok ? base + (static_cast<int64_t>(ids.sc) * Hkv + w.h) * B + ((kp0 + stok) & (B - 1)) : base;
+      const float* src = ok ? base + (static_cast<int64_t>(ids.sc) * Hkv + h) * B + ((kp0 + stok) & (B - 1)) : base;
       cp_async16(st + (is_v ? C::SV_OFF : C::SK_OFF) + stok * 4, src, ok);
     }
     cp_async_commit();
-  };
+  }
+};
 
-  Ids ids_next;
-  load_ids(0, ids_next);
-  issue(0, ids_next);
-  load_ids(1, ids_next);
-  issue(1, ids_next);
-  load_ids(2, ids_next);
+// Phase 1: scores of the stage's keys into shared memory (warp w takes 8-key n-tiles w, w + W,
+// ...; rows g and g+8 of lane (g, t)), each warp's row maxima into red_max.
+template <int D, bool ROWS16>
+__device__ __forceinline__ void general_scores(const PagedAttentionParams& p, const unsigned char* st, const GenSmem& sm,
+                                               int kp0, int kend, const uint32_t (&qa)[ROWS16 ? 2 : 1][D / 16],
+                                               const float (&sq)[ROWS16 ? 2 : 1], const int (&lim)[ROWS16 ? 2 : 1],
+                                               const int (&wlo)[ROWS16 ? 2 : 1], int warp, int g, int t) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr int kWarps = C::W;
+  constexpr int kRi = ROWS16 ? 2 : 1;
+  const unsigned char* k_sm = st + C::K_OFF;
+  const float* sk_sm = reinterpret_cast<const float*>(st + C::SK_OFF);
+  float pmax[kRi];
+#pragma unroll
+  for (int ri = 0; ri < kRi; ++ri) pmax[ri] = kNegInf;
+  const int n8 = (kend - kp0 + 7) / 8;
+#pragma unroll
+  for (int u = 0; u < (C::KT / 8 + kWarps - 1) / kWarps; ++u) {
+    const int nt = warp + kWarps * u;
+    if (nt >= n8) break;  // warp-uniform
+    uint32_t kw[D / 16];
+    load_k_slice<D>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
+    int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c)
+      mma_i8<false>(acc, qa[0][2 * c], ROWS16 ? qa[kRi - 1][2 * c] : 0u, qa[0][2 * c + 1],
+                    ROWS16 ? qa[kRi - 1][2 * c + 1] : 0u, kw[2 * c], kw[2 * c + 1]);
+    const int kc = nt * 8 + 2 * t;  // this lane's two score columns (stage offsets)
+    const float2 sk = *reinterpret_cast<const float2*>(sk_sm + kc);
+#pragma unroll
+    for (int ri = 0; ri < kRi; ++ri) {
+      const int lim_rel = min(lim[ri], kend) - kp0, lo_rel = wlo[ri] - kp0;
+      const float s0 = kc < lim_rel && kc >= lo_rel
+                           ? qk_score(static_cast<float>(acc[2 * ri]), sq[ri], sk.x, p.scale, p.softcap)
+                           : kNegInf;
+      const float s1 = kc + 1 < lim_rel && kc + 1 >= lo_rel
+                           ? qk_score(static_cast<float>(acc[2 * ri + 1]), sq[ri], sk.y, p.scale, p.softcap)
+                           : kNegInf;
+      pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
+      *reinterpret_cast<float2*>(sm.s_sm + (g + 8 * ri) * C::S_STRIDE + kc) = make_float2(s0, s1);
+    }
+  }
+#pragma unroll
+  for (int ri = 0; ri < kRi; ++ri) {
+    const float m = warp_max4(pmax[ri]);
+    if (t == 0) sm.red_max[warp * kRows + g + 8 * ri] = m;
+  }
+  if (!ROWS16 && t == 0) sm.red_max[warp * kRows + g + 8] = kNegInf;
+}
+
+// Phases 2+3 for one row r and its 4 keys 4c .. 4c+3: the row's stage max from the per-warp
+// maxima, alpha = exp(M - M'), beta = exp(m - M'); e = exp(s - m_stage), W = e * sV, the 32-key
+// group's max over 8 threads -> codes and the group scale. Every thread derives these itself
+// (no extra barrier); row_m is double-buffered by stage parity so the old M stays readable
+// while the new one is written. lacc: the thread's part of the row sum, rescaled by alpha.
+template <int D, PvQuant PV, bool ROWS16>
+__device__ __forceinline__ void general_codes(const PagedAttentionParams& p, const unsigned char* st,
+                                              const GenSmem& sm, const float* m_old, float* m_new, int r, int c,
+                                              bool row_ok, int kp0, int kend, float& lacc) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr bool kF16 = PV == PvQuant::kNone;
+  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
+  constexpr int CS = C::c_stride(kF16);
+  const float* sv_sm = reinterpret_cast<const float*>(st + C::SV_OFF);
+  const int k = 4 * c;
+  float mp = kNegInf, mo = kNegInf;
+  int lim_rel = 0, lo_rel = 0;
+  if (row_ok) {
+#pragma unroll
+    for (int i = 0; i < C::W; ++i) mp = fmaxf(mp, sm.red_max[i * kRows + r]);
+    mo = m_old[r];
+    lim_rel = min(sm.row_lim[r], kend) - kp0;
+    lo_rel = window_first(sm.row_lim[r] - 1, p.window) - kp0;
+  }
+  const float mn = fmaxf(mo, mp);
+  const float alpha = mo == kNegInf ? 0.0f : __expf(mo - mn);
+  const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
+  if (row_ok && c == 0) m_new[r] = mn;
+  float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float esum = 0.0f;
+  if (k < lim_rel && k + 3 >= lo_rel) {
+    const float4 sc = *reinterpret_cast<const float4*>(sm.s_sm + r * C::S_STRIDE + k);
+    const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
+    const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
+    const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (k + jj < lim_rel && k + jj >= lo_rel) {
+        const float e = __expf(scv[jj] - mp);  // ex2.approx: a few ulp, W codes tolerate it
+        esum += e;
+        wv[jj] = e * svv[jj];
+      }
+    }
+  }
+  lacc = alpha * lacc + beta * esum;
+  float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
+  gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
+  gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
+  gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 4));
+  if (!row_ok) return;
+  if constexpr (kF16) {
+    __half hv[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) hv[jj] = __float2half_rn(gmax > 0.0f ? __fdiv_rn(wv[jj], gmax) : 0.0f);
+    *reinterpret_cast<uint2*>(sm.c_sm + r * CS + 2 * k) = *reinterpret_cast<const uint2*>(hv);
+    if ((c & 7) == 0) sm.g_sm[r * C::G_STRIDE + (c >> 3)] = gmax * beta;
+  } else {
+    *reinterpret_cast<uint32_t*>(sm.c_sm + r * CS + k) = codes4_rint(wv, code_inverse(gmax, kLevels), kLevels);
+    if ((c & 7) == 0) sm.g_sm[r * C::G_STRIDE + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
+  }
+}
+
+// Phase 4 for one 64-key tile ti: P.V on the tensor cores. Warp w owns NT 8-column n-tiles of
+// the output from dbase; lane (g, t) reads V keys 64ti+16t .. +15 of column g (one 16-byte read)
+// and swaps halves with lane t^2 so that MMA grp consumes exactly keys 32grp .. 32grp+31 of the
+// tile (fragment_map.h). Each group's sum is scaled by its own group scale.
+template <int D, PvQuant PV, bool ROWS16, int NT>
+__device__ __forceinline__ void general_pv_tile(const unsigned char* v_sm, const GenSmem& sm, int ti, int dbase, int g,
+                                                int t, float (&o)[NT][4]) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr bool kF16 = PV == PvQuant::kNone;
+  constexpr int CS = C::c_stride(kF16);
+  // A fragments and group scales of the tile's two groups (rows g and g+8).
+  uint32_t a[2][kF16 ? 8 : 4];
+  float gs[2][2];
+#pragma unroll
+  for (int grp = 0; grp < 2; ++grp) {
+    const int tok0 = 64 * ti + 32 * grp + pv_token_base(t);
+    gs[grp][0] = sm.g_sm[g * C::G_STRIDE + 2 * ti + grp];
+    gs[grp][1] = ROWS16 ? sm.g_sm[(g + 8) * C::G_STRIDE + 2 * ti + grp] : 0.0f;
+    if constexpr (kF16) {
+      const uint4 r0 = *reinterpret_cast<const uint4*>(sm.c_sm + g * CS + 2 * tok0);
+      uint4 r1 = make_uint4(0u, 0u, 0u, 0u);
+      if (ROWS16) r1 = *reinterpret_cast<const uint4*>(sm.c_sm + (g + 8) * CS + 2 * tok0);
+      // k16 MMA #1 takes keys tok0+0..3, #2 takes tok0+4..7 (slots 2t,2t+1 then 2t+8,2t+9).
+      a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
+      a[grp][4] = r0.z; a[grp][5] = r1.z; a[grp][6] = r0.w; a[grp][7] = r1.w;
+    } else {
+      const uint2 r0 = *reinterpret_cast<const uint2*>(sm.c_sm + g * CS + tok0);
+      uint2 r1 = make_uint2(0u, 0u);
+      if (ROWS16) r1 = *reinterpret_cast<const uint2*>(sm.c_sm + (g + 8) * CS + tok0);
+      a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
+    }
+  }
+#pragma unroll
+  for (int jn = 0; jn < NT; ++jn) {
+    // One 16-byte read: keys 64ti+16t .. +15 of output column dbase + 8jn + g.
+    const uint4 x = *reinterpret_cast<const uint4*>(v_sm + ti * (D * 64) + (dbase + 8 * jn + g) * 64 + 16 * t);
+    // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
+    // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
+    const bool lo = t < 2;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, lo ? x.z : x.x, kPvSwapXor);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, lo ? x.w : x.y, kPvSwapXor);
+    const uint32_t b[2][2] = {{lo ? x.x : r0, lo ? x.y : r1}, {lo ? r0 : x.z, lo ? r1 : x.w}};
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      if constexpr (kF16) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        pv_f16_8keys(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], a[grp][4], a[grp][5], a[grp][6], a[grp][7],
+                     b[grp][0], b[grp][1]);
+        o[jn][0] += gs[grp][0] * acc[0];
+        o[jn][1] += gs[grp][0] * acc[1];
+        o[jn][2] += gs[grp][1] * acc[2];
+        o[jn][3] += gs[grp][1] * acc[3];
+      } else {
+        int acc[4] = {0, 0, 0, 0};
+        mma_i8<PV == PvQuant::kU8>(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], b[grp][0], b[grp][1]);
+        o[jn][0] += gs[grp][0] * static_cast<float>(acc[0]);
+        o[jn][1] += gs[grp][0] * static_cast<float>(acc[1]);
+        o[jn][2] += gs[grp][1] * static_cast<float>(acc[2]);
+        o[jn][3] += gs[grp][1] * static_cast<float>(acc[3]);
+      }
+    }
+  }
+}
+
+// Phase 4's first step: O of rows g and g+8 scaled by alpha = exp(M - M') (0 while the row had no key).
+template <bool ROWS16, int NT>
+__device__ __forceinline__ void general_rescale_o(const float* m_old, const float* m_new, int g, float (&o)[NT][4]) {
+  auto alpha_of = [&](int r) {
+    const float mo = m_old[r], mn = m_new[r];
+    return mo == kNegInf ? 0.0f : __expf(mo - mn);
+  };
+  const float al0 = alpha_of(g);
+  const float al1 = ROWS16 ? alpha_of(g + 8) : 0.0f;
+#pragma unroll
+  for (int jn = 0; jn < NT; ++jn) {
+    o[jn][0] *= al0;
+    o[jn][1] *= al0;
+    o[jn][2] *= al1;
+    o[jn][3] *= al1;
+  }
+}
+
+// Row sums: each row's per-thread partial l over NCHUNK consecutive threads (whole warps) ->
+// red_sum per warp -> row_l.
+template <int kThreads, int NCHUNK, int kPasses>
+__device__ __forceinline__ void general_row_sums(const GenSmem& sm, const float (&lacc)[kPasses], int tid,
+                                                 int rows_used) {
+  constexpr int kRowLanes = NCHUNK < 32 ? NCHUNK : 32;  // lanes of one row within a warp
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    float v = lacc[pass];
+#pragma unroll
+    for (int off = kRowLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
+    if (tid % kRowLanes == 0 && r < kRows) sm.red_sum[((tid % NCHUNK) / 32) * kRows + r] = v;
+  }
+  __syncthreads();
+  if (tid < kRows) {
+    float l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += sm.red_sum[i * kRows + tid];
+    sm.row_l[tid] = tid < rows_used ? l : 0.0f;
+  }
+  __syncthreads();
+}
+
+// Writes O / l of the lane's rows (the sink joins l with one split; the merge kernel adds it
+// otherwise), or the split's partial O and its m, l.
+template <int D, int kRi, int NT>
+__device__ __forceinline__ void general_write_out(const PagedAttentionParams& p, const TileShape& ts, int split,
+                                                  const GenSmem& sm, const float* m_final, const int (&qtok)[kRi],
+                                                  const int (&qhead)[kRi], const float (&o)[NT][4], int dbase,
+                                                  int warp, int g, int t) {
+#pragma unroll
+  for (int ri = 0; ri < kRi; ++ri) {
+    if (qtok[ri] < 0) continue;
+    const int r = g + 8 * ri;
+    const float l = sm.row_l[r];
+    const float den = ts.nsplit == 1 ? add_sink(l, m_final[r], p.head_sink, qhead[ri], p.status) : l;
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    const int64_t row = static_cast<int64_t>(qtok[ri]) * p.num_heads + qhead[ri];
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+      store_row2<D>(p, row, ts.nsplit, split, dbase + 8 * jn + 2 * t, o[jn][2 * ri] * inv, o[jn][2 * ri + 1] * inv);
+    if (ts.nsplit > 1 && warp == 0 && t == 0) store_split_ml<D>(p, row, ts.nsplit, split, m_final[r], l);
+  }
+}
+
+template <int D, PvQuant PV, bool ROWS16>
+__global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS16 ? 16 : 8>::MIN_BLOCKS)
+    paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr int kWarps = C::W;
+  constexpr int kThreads = C::THREADS;
+  constexpr int KT = C::KT;
+  constexpr int NT = D / 8 / kWarps;  // 8-column n-tiles per warp in P.V (warp owns D/kWarps columns)
+  constexpr int kRi = ROWS16 ? 2 : 1;
+  static_assert(NT >= 1, "head_dim too small for the warp count");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const GenSmem sm = general_smem<C, PV == PvQuant::kNone>(smem);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int Hkv = p.num_kv_heads, B = p.block_size;
+  const int G = p.num_heads / Hkv;
+
+  Work w;
+  if (!general_work<KT>(p, ts, Hkv, B, p.partition_size, tid, w)) return;
+
+  const GenLoader<D, ROWS16 ? 16 : 8> ld(p, w, Hkv, B, smem, tid);
+  typename GenLoader<D, ROWS16 ? 16 : 8>::Ids ids_next;
+  ld.load_ids(0, ids_next);
+  ld.issue(0, ids_next);
+  ld.load_ids(1, ids_next);
+  ld.issue(1, ids_next);
+  ld.load_ids(2, ids_next);
 
   if (tid < kRows) {
     int tok, hd;
-    row_lim[tid] = row_info(tid, tok, hd);
-    row_m[tid] = kNegInf;
-    row_m[kRows + tid] = kNegInf;
-    row_l[tid] = 0.0f;
+    sm.row_lim[tid] = general_row(w, ts, G, tid, tok, hd);
+    sm.row_m[tid] = kNegInf;
+    sm.row_m[kRows + tid] = kNegInf;
+    sm.row_l[tid] = 0.0f;
   }
 
-  // ---- Q: quantize this lane's d slice of rows g and g+8 (bit-exact with quantize_rows) ----
-  uint32_t qa[kRi][QW];
+  // Q: quantize this lane's d slice of rows g and g+8 (bit-exact with quantize_rows).
+  uint32_t qa[kRi][D / 16];
   float sq[kRi];
   int lim[kRi], wlo[kRi], qtok[kRi], qhead[kRi];
 #pragma unroll
   for (int ri = 0; ri < kRi; ++ri) {
-    lim[ri] = row_info(g + 8 * ri, qtok[ri], qhead[ri]);
+    lim[ri] = general_row(w, ts, G, g + 8 * ri, qtok[ri], qhead[ri]);
     wlo[ri] = window_first(lim[ri] - 1, p.window);  // the row sees keys [wlo, lim)
     if (!quantize_q_slice<D>(p, qtok[ri], qhead[ri], t, qa[ri], sq[ri])) atomicOr(p.status, kPaQueryNonFinite);
   }
@@ -315,259 +610,46 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
   constexpr int NCHUNK = KT / 4;  // 4 keys per thread per row; 8 threads = one 32-key group
   constexpr int kPasses = (kRows + kThreads / NCHUNK - 1) / (kThreads / NCHUNK);
   static_assert(NCHUNK % 32 == 0 || 32 % NCHUNK == 0, "a row's threads tile warps");
-  constexpr int kRowLanes = NCHUNK < 32 ? NCHUNK : 32;  // lanes of one row within a warp
   float lacc[kPasses];
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) lacc[i] = 0.0f;
 
-  for (int j = 0; j < nstages; ++j) {
+  for (int j = 0; j < w.nstages; ++j) {
     cp_async_wait<1>();  // stage j has landed (stage j+1 may still be in flight)
     __syncthreads();
     const unsigned char* st = smem + (j & 1) * C::STAGE;
-    const unsigned char* k_sm = st + C::K_OFF;
-    const unsigned char* v_sm = st + C::V_OFF;
-    const float* sk_sm = reinterpret_cast<const float*>(st + C::SK_OFF);
-    const float* sv_sm = reinterpret_cast<const float*>(st + C::SV_OFF);
-    const int kp0 = k_lo + j * KT;
-    const int kend = min(kp0 + KT, k_hi);
-    const int nkeys = kend - kp0;
+    const int kp0 = w.k_lo + j * KT;
+    const int kend = min(kp0 + KT, w.k_hi);
 
-    // ---- phase 1: scores (K fragments from shared memory) ----
-    float pmax[kRi];
-#pragma unroll
-    for (int ri = 0; ri < kRi; ++ri) pmax[ri] = kNegInf;
-    const int n8 = (nkeys + 7) / 8;
-#pragma unroll
-    for (int u = 0; u < (KT / 8 + kWarps - 1) / kWarps; ++u) {
-      const int nt = warp + kWarps * u;
-      if (nt >= n8) break;  // warp-uniform
-      uint32_t kw[QW];
-      load_k_slice<D>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
-      int acc[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c)
-        mma_i8<false>(acc, qa[0][2 * c], ROWS16 ? qa[kRi - 1][2 * c] : 0u, qa[0][2 * c + 1],
-                      ROWS16 ? qa[kRi - 1][2 * c + 1] : 0u, kw[2 * c], kw[2 * c + 1]);
-      const int kc = nt * 8 + 2 * t;  // this lane's two score columns (stage offsets)
-      const float2 sk = *reinterpret_cast<const float2*>(sk_sm + kc);
-#pragma unroll
-      for (int ri = 0; ri < kRi; ++ri) {
-        const int lim_rel = min(lim[ri], kend) - kp0, lo_rel = wlo[ri] - kp0;
-        const float s0 = kc < lim_rel && kc >= lo_rel
-                             ? apply_softcap(((static_cast<float>(acc[2 * ri]) * sq[ri]) * sk.x) * p.scale, p.softcap)
-                             : kNegInf;
-        const float s1 = kc + 1 < lim_rel && kc + 1 >= lo_rel
-                             ? apply_softcap(((static_cast<float>(acc[2 * ri + 1]) * sq[ri]) * sk.y) * p.scale, p.softcap)
-                             : kNegInf;
-        pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
-        *reinterpret_cast<float2*>(s_sm + (g + 8 * ri) * C::S_STRIDE + kc) = make_float2(s0, s1);
-      }
-    }
-#pragma unroll
-    for (int ri = 0; ri < kRi; ++ri) {
-      const float m = warp_max4(pmax[ri]);
-      if (t == 0) red_max[warp * kRows + g + 8 * ri] = m;
-    }
-    if (!ROWS16 && t == 0) red_max[warp * kRows + g + 8] = kNegInf;
+    general_scores<D, ROWS16>(p, st, sm, kp0, kend, qa, sq, lim, wlo, warp, g, t);
     __syncthreads();
 
-    // ---- phases 2+3: merge factors, W = exp(s - m_stage) * sV, per-group codes and scales ----
-    // Every thread derives its row's stage max, alpha = exp(M - M') and beta = exp(m - M') from
-    // the per-warp maxima itself (no extra barrier); row_m is double-buffered by stage parity so
-    // the old M stays readable while the new one is written. Row sums l are kept per thread
-    // (rescaled by alpha each stage) and reduced once at the end.
-    float* m_old = row_m + (j & 1) * kRows;
-    float* m_new = row_m + ((j + 1) & 1) * kRows;
+    const float* m_old = sm.row_m + (j & 1) * kRows;
+    float* m_new = sm.row_m + ((j + 1) & 1) * kRows;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
-      const int c = tid % NCHUNK;
-      const int k = 4 * c;
-      const bool row_ok = r < rows_used;
-      float mp = kNegInf, mo = kNegInf;
-      int lim_rel = 0, lo_rel = 0;
-      if (row_ok) {
-#pragma unroll
-        for (int i = 0; i < kWarps; ++i) mp = fmaxf(mp, red_max[i * kRows + r]);
-        mo = m_old[r];
-        lim_rel = min(row_lim[r], kend) - kp0;
-        lo_rel = window_first(row_lim[r] - 1, p.window) - kp0;
-      }
-      const float mn = fmaxf(mo, mp);
-      const float alpha = mo == kNegInf ? 0.0f : __expf(mo - mn);
-      const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
-      if (row_ok && c == 0) m_new[r] = mn;
-      float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float esum = 0.0f;
-      if (k < lim_rel && k + 3 >= lo_rel) {
-        const float4 sc = *reinterpret_cast<const float4*>(s_sm + r * C::S_STRIDE + k);
-        const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
-        const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
-        const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          if (k + jj < lim_rel && k + jj >= lo_rel) {
-            const float e = __expf(scv[jj] - mp);  // ex2.approx: a few ulp, W codes tolerate it
-            esum += e;
-            wv[jj] = e * svv[jj];
-          }
-        }
-      }
-      lacc[pass] = alpha * lacc[pass] + beta * esum;
-      float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
-      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
-      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
-      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 4));
-      if (row_ok) {
-        if constexpr (kF16) {
-          __half hv[4];
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) hv[jj] = __float2half_rn(gmax > 0.0f ? __fdiv_rn(wv[jj], gmax) : 0.0f);
-          *reinterpret_cast<uint2*>(c_sm + r * CS + 2 * k) = *reinterpret_cast<const uint2*>(hv);
-          if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = gmax * beta;
-        } else {
-          const float inv = code_inverse(gmax, kLevels);
-          uint32_t packed = 0;
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const float q = fminf(rintf(__fmul_rn(wv[jj], inv)), kLevels);
-            packed |= (static_cast<uint32_t>(q) & 0xffu) << (8 * jj);
-          }
-          *reinterpret_cast<uint32_t*>(c_sm + r * CS + k) = packed;
-          if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
-        }
-      }
+      general_codes<D, PV, ROWS16>(p, st, sm, m_old, m_new, r, tid % NCHUNK, r < w.rows_used, kp0, kend, lacc[pass]);
     }
     __syncthreads();
 
-    // ---- phase 4: P.V on the tensor cores (V fragments from shared memory) ----
-    {
-      auto alpha_of = [&](int r) {
-        const float mo = m_old[r], mn = m_new[r];
-        return mo == kNegInf ? 0.0f : __expf(mo - mn);
-      };
-      const float al0 = alpha_of(g);
-      const float al1 = ROWS16 ? alpha_of(g + 8) : 0.0f;
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        o[jn][0] *= al0;
-        o[jn][1] *= al0;
-        o[jn][2] *= al1;
-        o[jn][3] *= al1;
-      }
-    }
-    const int n64 = (nkeys + 63) / 64;
+    // Phase 4: O rescaled to the new running max, then P.V per 64-key tile.
+    general_rescale_o<ROWS16>(m_old, m_new, g, o);
+    const int n64 = (kend - kp0 + 63) / 64;
 #pragma unroll
     for (int ti = 0; ti < KT / 64; ++ti) {
       if (ti >= n64) break;  // warp-uniform
-      // A fragments and group scales of the tile's two groups (rows g and g+8).
-      uint32_t a[2][kF16 ? 8 : 4];
-      float gs[2][2];
-#pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        const int tok0 = 64 * ti + 32 * grp + pv_token_base(t);
-        gs[grp][0] = g_sm[g * C::G_STRIDE + 2 * ti + grp];
-        gs[grp][1] = ROWS16 ? g_sm[(g + 8) * C::G_STRIDE + 2 * ti + grp] : 0.0f;
-        if constexpr (kF16) {
-          const uint4 r0 = *reinterpret_cast<const uint4*>(c_sm + g * CS + 2 * tok0);
-          uint4 r1 = make_uint4(0u, 0u, 0u, 0u);
-          if (ROWS16) r1 = *reinterpret_cast<const uint4*>(c_sm + (g + 8) * CS + 2 * tok0);
-          // k16 MMA #1 takes keys tok0+0..3, #2 takes tok0+4..7 (slots 2t,2t+1 then 2t+8,2t+9).
-          a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
-          a[grp][4] = r0.z; a[grp][5] = r1.z; a[grp][6] = r0.w; a[grp][7] = r1.w;
-        } else {
-          const uint2 r0 = *reinterpret_cast<const uint2*>(c_sm + g * CS + tok0);
-          uint2 r1 = make_uint2(0u, 0u);
-          if (ROWS16) r1 = *reinterpret_cast<const uint2*>(c_sm + (g + 8) * CS + tok0);
-          a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
-        }
-      }
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        // One 16-byte read: keys 64ti+16t .. +15 of output column dbase + 8jn + g.
-        const uint4 x = *reinterpret_cast<const uint4*>(v_sm + ti * (D * 64) + (dbase + 8 * jn + g) * 64 + 16 * t);
-        // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
-        // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
-        const bool lo = t < 2;
-        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, lo ? x.z : x.x, kPvSwapXor);
-        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, lo ? x.w : x.y, kPvSwapXor);
-        const uint32_t b[2][2] = {{lo ? x.x : r0, lo ? x.y : r1}, {lo ? r0 : x.z, lo ? r1 : x.w}};
-#pragma unroll
-        for (int grp = 0; grp < 2; ++grp) {
-          if constexpr (kF16) {
-            uint32_t h0, h1, h2, h3;
-            s8x4_to_half2x2(b[grp][0], h0, h1);
-            s8x4_to_half2x2(b[grp][1], h2, h3);
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_f16(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], h0, h1);
-            mma_f16(acc, a[grp][4], a[grp][5], a[grp][6], a[grp][7], h2, h3);
-            o[jn][0] += gs[grp][0] * acc[0];
-            o[jn][1] += gs[grp][0] * acc[1];
-            o[jn][2] += gs[grp][1] * acc[2];
-            o[jn][3] += gs[grp][1] * acc[3];
-          } else {
-            int acc[4] = {0, 0, 0, 0};
-            mma_i8<PV == PvQuant::kU8>(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], b[grp][0], b[grp][1]);
-            o[jn][0] += gs[grp][0] * static_cast<float>(acc[0]);
-            o[jn][1] += gs[grp][0] * static_cast<float>(acc[1]);
-            o[jn][2] += gs[grp][1] * static_cast<float>(acc[2]);
-            o[jn][3] += gs[grp][1] * static_cast<float>(acc[3]);
-          }
-        }
-      }
+      general_pv_tile<D, PV, ROWS16, NT>(st + C::V_OFF, sm, ti, dbase, g, t, o);
     }
     __syncthreads();  // every warp is done with stage j's buffer and the codes
-    if (j + 2 < nstages) issue(j + 2, ids_next);
+    if (j + 2 < w.nstages) ld.issue(j + 2, ids_next);
     else cp_async_commit();  // an empty group keeps wait_group<1> counting stages
-    load_ids(j + 3, ids_next);
+    ld.load_ids(j + 3, ids_next);
   }
   cp_async_wait<0>();
-  // Row sums: reduce each row's per-thread partial l (NCHUNK consecutive threads, whole warps).
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    float v = lacc[pass];
-#pragma unroll
-    for (int off = kRowLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
-    if (tid % kRowLanes == 0 && r < kRows) red_sum[((tid % NCHUNK) / 32) * kRows + r] = v;
-  }
-  __syncthreads();
-  if (tid < kRows) {
-    float l = 0.0f;
-#pragma unroll
-    for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += red_sum[i * kRows + tid];
-    row_l[tid] = tid < rows_used ? l : 0.0f;
-  }
-  __syncthreads();
-  const float* m_final = row_m + (nstages & 1) * kRows;
-
-  // ---- write O / l (and m, l for the merge when the keys were split) ----
-#pragma unroll
-  for (int ri = 0; ri < kRi; ++ri) {
-    if (qtok[ri] < 0) continue;
-    const int r = g + 8 * ri;
-    const float l = row_l[r];
-    // One split: the sink joins the denominator here; several: in the merge kernel.
-    const float den = ts.nsplit == 1 ? add_sink(l, m_final[r], p.head_sink, qhead[ri], p.status) : l;
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    const int64_t row = static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri];
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn) {
-      const int d = dbase + 8 * jn + 2 * t;
-      const float v0 = o[jn][2 * ri] * inv, v1 = o[jn][2 * ri + 1] * inv;
-      if (ts.nsplit == 1) {
-        store_out2(p, row, d, v0, v1);
-      } else {
-        float* ws = static_cast<float*>(p.workspace);
-        *reinterpret_cast<float2*>(ws + (row * ts.nsplit + w.split) * D + d) = make_float2(v0, v1);
-      }
-    }
-    if (ts.nsplit > 1 && warp == 0 && t == 0) {
-      float2* ml = reinterpret_cast<float2*>(static_cast<float*>(p.workspace) +
-                                             static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
-      ml[row * ts.nsplit + w.split] = make_float2(m_final[r], l);
-    }
-  }
+  general_row_sums<kThreads, NCHUNK, kPasses>(sm, lacc, tid, w.rows_used);
+  general_write_out<D, kRi, NT>(p, ts, w.split, sm, sm.row_m + (w.nstages & 1) * kRows, qtok, qhead, o, dbase, warp,
+                                g, t);
 }
 
 // ---- decode with warp-independent key ranges ----
@@ -648,24 +730,24 @@ __device__ __forceinline__ void pair_barrier_padding(int nst64, int nwp, int war
 // (64 for VROWS's 64-key stages, in k_first's block since B >= 64): so seq_len is loaded here,
 // before the block ids. Without, k_first = 0 and seq_len follows them.
 struct WdWork {
-  int s, h, split;
+  int s, h, split, partition;
   int k_first, k_base, k_lo;
   int k_max;  // the split's keys end here if seq_len allows
 };
 
 template <bool VROWS>
-__device__ __forceinline__ void warp_decode_work(const PagedAttentionParams& p, const TileShape& ts, WdWork& w) {
-  const int Hkv = p.num_kv_heads, B = p.block_size;
+__device__ __forceinline__ void warp_decode_work(const PagedAttentionParams& p, const TileShape& ts, int Hkv, int B,
+                                                 WdWork& w) {
   int64_t idx = blockIdx.x;
   w.split = static_cast<int>(idx % ts.nsplit);
   idx /= ts.nsplit;
   w.h = static_cast<int>(idx % Hkv);
   w.s = static_cast<int>(idx / Hkv);
-  const int partition = p.partition_size;
+  w.partition = p.partition_size;
   w.k_first = p.window > 0 ? window_first(static_cast<int64_t>(p.seq_lens[w.s]) - 1, p.window) : 0;
   w.k_base = w.k_first & ~(VROWS ? 63 : 31);
-  w.k_lo = w.k_base + w.split * ts.ppc * partition;
-  w.k_max = min(w.k_lo + ts.ppc * partition, p.max_blocks * B);
+  w.k_lo = w.k_base + w.split * ts.ppc * w.partition;
+  w.k_max = min(w.k_lo + ts.ppc * w.partition, p.max_blocks * B);
 }
 
 // The query row of sequence s: s itself without cu_seqlens_q; with it (decode_with_cu), the
@@ -723,6 +805,17 @@ struct WdIds {
   }
 };
 
+// The split's keys end at k_hi (seq_len known): this warp's stages nw (every DW-th 32-key stage)
+// and, VROWS, nwp (the pair stages it copies V rows for). Returns the split's 64-key stage count.
+template <int DW, bool VROWS>
+__device__ __forceinline__ int warp_stages(int k_hi, int k_lo, int warp, int& nw, int& nwp) {
+  const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
+  nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;
+  const int nst64 = (k_hi - k_lo + 63) / 64;
+  nwp = VROWS ? (nst64 > (warp >> 1) ? (nst64 - (warp >> 1) + DW / 2 - 1) / (DW / 2) : 0) : nw;
+  return nst64;
+}
+
 // ---- stage copies: data NS-1 stages ahead (cp.async) ----
 // Per-lane source offsets and shared-memory destinations are fixed for the whole loop; a stage
 // only adds its block's base (one 64-bit multiply per half) and the key offset in the block, so
@@ -741,16 +834,18 @@ struct WdLoader {
 
   const PagedAttentionParams& p;
   const WdIds<DW, VROWS>& ids;
-  int lane, half, Hkv, B, k_first, k_hi, nw, nwp, blk_stride, vstep, s_key;
+  int lane, k_hi, nw, nwp;  // the split's keys end at k_hi; this warp's stages (nwp: pair stages, VROWS)
+  int half, Hkv, B, k_first, blk_stride, vstep, s_key;
   const int8_t *k_lane, *v_lane, *vr_lane;
   const float* s_lane;
   unsigned k_dst, v_dst, s_dst, vr_dst;
 
-  __device__ __forceinline__ WdLoader(const PagedAttentionParams& p_, const WdIds<DW, VROWS>& ids_, int h, int warp,
-                                      int lane_, unsigned char* ring, unsigned char* sbase_ptr, int kof, int sof)
-      : p(p_), ids(ids_), lane(lane_) {
-    Hkv = p.num_kv_heads;
-    B = p.block_size;
+  __device__ __forceinline__ WdLoader(const PagedAttentionParams& p_, const WdIds<DW, VROWS>& ids_, int Hkv_, int B_,
+                                      int k_hi_, int nw_, int nwp_, int h, int warp, int lane_, unsigned char* ring,
+                                      unsigned char* sbase_ptr, int kof, int sof)
+      : p(p_), ids(ids_), lane(lane_), k_hi(k_hi_), nw(nw_), nwp(nwp_) {
+    Hkv = Hkv_;
+    B = B_;
     half = warp & 1;
     k_first = ids.k_first;
     blk_stride = Hkv * B * D;  // bytes per cache block (K or V): one block's K fits an int
@@ -772,17 +867,6 @@ struct WdLoader {
     vr_lane = p.value_cache + (static_cast<int64_t>(h) * D + half * (D / 2) + vr) * B + 16 * vq;
     vr_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + (half * (D / 2) + vr) * 64 +
              32 * ((vq >> 1) ^ ((vr >> 1) & 1)) + 16 * (vq & 1);
-  }
-
-  // The split's keys end at k_hi_ (seq_len known): this warp's stages nw (every DW-th 32-key
-  // stage) and, VROWS, nwp (pair stages it copies V rows for). Returns the 64-key stage count.
-  __device__ __forceinline__ int set_keys(int k_hi_, int k_lo, int warp) {
-    k_hi = k_hi_;
-    const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
-    nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;
-    const int nst64 = (k_hi - k_lo + 63) / 64;
-    nwp = VROWS ? (nst64 > (warp >> 1) ? (nst64 - (warp >> 1) + DW / 2 - 1) / (DW / 2) : 0) : nw;
-    return nst64;
   }
 
   // A pair stage (VROWS): this warp's half of the V rows of 64 keys, and its own 32 keys' K rows
@@ -1038,8 +1122,8 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
 
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int B = p.block_size;
-  const int G = p.num_heads / p.num_kv_heads;
+  const int Hkv = p.num_kv_heads, B = p.block_size;
+  const int G = p.num_heads / Hkv;
   unsigned char* ring = smem + warp * C::RING;
   const int half = warp & 1;
   unsigned char* sbase_ptr = VROWS ? smem + (warp >> 1) * 2 * C::RING : ring;
@@ -1047,7 +1131,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int sof = VROWS ? S::PS_OFF + half * 256 : C::SK_OFF;  // V scales at sof + 128
 
   WdWork w;
-  warp_decode_work<VROWS>(p, ts, w);
+  warp_decode_work<VROWS>(p, ts, Hkv, B, w);
   const WdIds<DW, VROWS> ids{p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks,
                              p.log2_block_size, B, w.k_lo, w.k_max, w.k_first, warp};
   int rid0[NS], rid1[NS];
@@ -1056,14 +1140,16 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
 
   const int seq_len = p.seq_lens[w.s];
   if (seq_len < 1 || seq_len > p.max_blocks * B ||
-      seq_len - w.k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * p.partition_size) {
+      seq_len - w.k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * w.partition) {
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
     return;
   }
   int qrow;
   if (!warp_decode_query_row(p, w.s, tid, qrow)) return;
-  WdLoader<D, DW, NS, VROWS> ld(p, ids, w.h, warp, lane, ring, sbase_ptr, kof, sof);
-  const int nst64 = ld.set_keys(min(w.k_lo + ts.ppc * p.partition_size, seq_len), w.k_lo, warp);
+  int nw, nwp;
+  const int k_hi = min(w.k_lo + ts.ppc * w.partition, seq_len);
+  const int nst64 = warp_stages<DW, VROWS>(k_hi, w.k_lo, warp, nw, nwp);
+  const WdLoader<D, DW, NS, VROWS> ld(p, ids, Hkv, B, k_hi, nw, nwp, w.h, warp, lane, ring, sbase_ptr, kof, sof);
 
 #pragma unroll
   for (int li = 0; li < NS - 1; ++li) ld.issue(li, li, rid0[li], rid1[li]);
@@ -1091,7 +1177,7 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   // VROWS: a pair slot is refilled only when both warps are done with it, so the refill follows
   // the barrier that also makes the partner's copies of stage i visible.
   const int v_lane_off = VROWS ? 32 * (half ^ ((g >> 1) & 1)) + 8 * t : 8 * t;
-  for (int i = 0; i < ld.nwp; ++i) {
+  for (int i = 0; i < nwp; ++i) {
     if constexpr (VROWS) {
       cp_async_wait<NS - 2>();  // this warp's part of stage i has landed
       pair_barrier(warp);       // the partner's too, and both are done with stage i - 1's slot
@@ -1107,16 +1193,16 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     }
     const unsigned char* st = sbase_ptr + rslot * S::SST;
     rslot = rslot == NS - 1 ? 0 : rslot + 1;
-    if (VROWS && i >= ld.nw) continue;  // the partner's last stage: this warp only copied V rows
+    if (VROWS && i >= nw) continue;  // the partner's last stage: this warp only copied V rows
     const int kp0 = ids.kp0_of(i);
-    const int lim_rel = ld.k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
+    const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
     const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with lo_t <= k < lim_t are visible
     const int lo_t = w.k_first - kp0 - 8 * t;
     warp_decode_stage<D, PV, C::KS, S::VRS>(st + kof, st + sof, st + (VROWS ? 0 : C::V_OFF) + v_lane_off, krow0, g, t,
                                             qa, sq, lim_t, lo_t, scale, p.softcap, o, m_run, l_run);
     __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
   }
-  if constexpr (VROWS) pair_barrier_padding<DW>(nst64, ld.nwp, warp);
+  if constexpr (VROWS) pair_barrier_padding<DW>(nst64, nwp, warp);
   cp_async_wait<0>();
   warp_decode_merge_out<D, DW, NS>(p, ts, smem, w, qrow, warp, g, t, o, m_run, l_run);
 }

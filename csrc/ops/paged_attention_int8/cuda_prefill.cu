@@ -133,9 +133,14 @@ __device__ __forceinline__ bool prefill_work(const PagedAttentionParams& p, cons
   idx /= tl.nsplit;
   w.h = static_cast<int>(idx % Hkv);
   w.s = static_cast<int>(idx / Hkv);
-  if (!query_range(p, w.s, w.q_start, w.q_len)) {
-    if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
-    return false;
+  if (p.cu_seqlens_q != nullptr) {
+    if (!read_cu_seqlens(p, w.s, w.q_start, w.q_len)) {
+      if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
+      return false;
+    }
+  } else {
+    w.q_start = w.s;
+    w.q_len = 1;
   }
   w.q0 = qtile * tl.qpt;
   if (w.q0 >= w.q_len) return false;

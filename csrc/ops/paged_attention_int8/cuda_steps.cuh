@@ -2,7 +2,7 @@
 // PagedAttentionInt8 CUDA: the attention steps that more than one kernel runs the same way
 // (cuda.cu's general and warp-decode kernels, cuda_prefill.cu's prefill kernel), each a
 // __forceinline__ function named for its step, in the order a kernel runs them:
-//   query_range      which query rows a sequence has (cu_seqlens_q checked)
+//   read_cu_seqlens  which query rows a sequence has (cu_seqlens_q checked)
 //   qk_score         one score from an int32 Q.K dot: the reference's float32 order, soft cap
 //   rescale_row      online softmax: move a row's O and l to a new running max
 //   group_weights8   W = exp(s - m) * sV of a lane's 8 keys of one 32-key group, sum and max
@@ -23,19 +23,16 @@
 namespace ort_ops {
 namespace {
 
-// Query rows of sequence s: [q_start, q_start + q_len). Without cu_seqlens_q one row each (decode
-// layout, row s). Returns false when cu_seqlens_q is not a valid prefix sum over num_tokens.
-__device__ __forceinline__ bool query_range(const PagedAttentionParams& p, int s, int& q_start, int& q_len) {
-  if (p.cu_seqlens_q == nullptr) {
-    q_start = s;
-    q_len = 1;
-    return true;
-  }
+// Query rows [q_start, q_start + q_len) of sequence s from cu_seqlens_q (not null; without it
+// the layout is decode's, one row each). Returns false when cu_seqlens_q is not a valid prefix
+// sum over num_tokens.
+__device__ __forceinline__ bool read_cu_seqlens(const PagedAttentionParams& p, int s, int& q_start, int& q_len) {
   q_start = p.cu_seqlens_q[s];
   const int q_end = p.cu_seqlens_q[s + 1];
   q_len = q_end - q_start;
-  return !(q_start < 0 || q_len < 0 || q_end > p.num_tokens || q_len > p.max_q_len || (s == 0 && q_start != 0) ||
-           (s == p.num_seqs - 1 && q_end != p.num_tokens));
+  const bool bad = q_start < 0 || q_len < 0 || q_end > p.num_tokens || q_len > p.max_q_len ||
+                   (s == 0 && q_start != 0) || (s == p.num_seqs - 1 && q_end != p.num_tokens);
+  return !bad;
 }
 
 // One score: ((dot * sQ) * sK) * scale in float32, then the soft cap (DESIGN.md's order; no FMA
