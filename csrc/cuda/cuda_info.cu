@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/cuda_info.h"
+#include "cuda/ptx.cuh"
 
 #include "cuda/export.h"
 
@@ -17,13 +18,7 @@ __global__ void mma_u8s8_probe(int* out) {
   const uint32_t a = 0xFFFFFFFFu;
   const uint32_t b = 0x7F7F7F7Fu;
   int d[4] = {0, 0, 0, 0};
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a), "r"(a), "r"(a), "r"(a), "r"(b), "r"(b));
-#endif
+  ort_ops::ptx::mma_i8<true>(d, a, a, a, a, b, b);
   if (threadIdx.x == 0) *out = d[0];
 }
 

@@ -79,4 +79,59 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
 #endif
 }
 
+// Added for the attention kernels: mma.sync with a separate accumulator input, ex2.approx, named
+// barriers and the programmatic-dependent-launch controls (griddepcontrol, sm_90+).
+
+// D = A (16x32, u8 when kU8 else s8) x B (32x8 s8) + C, with one 32-bit value c as all four
+// accumulator inputs (a constant such as the float bits of 1.5 * 2^23: see the prefill kernel).
+template <bool kU8>
+__device__ __forceinline__ void mma_i8_c(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1, uint32_t c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kU8) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c));
+  }
+#endif
+}
+
+// 2^x with denormal results flushed to zero (one MUFU.EX2). Not volatile: a pure function the
+// compiler may move or merge like any arithmetic.
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// bar.sync ID, N: waits for N threads (whole warps) at named barrier ID. ID is a template
+// argument: an immediate id lets ptxas reserve only that barrier (a register id reserves all 16).
+template <int ID, int N>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(N) : "memory");
+}
+
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and when launched normally).
+// griddep_wait: wait until the grid this one depends on has finished and its writes are visible.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// griddep_launch_dependents: the grid that depends on this one may launch now (it still waits
+// for this grid's completion in griddep_wait).
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace ort_ops::ptx

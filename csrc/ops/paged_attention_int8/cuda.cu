@@ -36,6 +36,13 @@
 // window's span). The sink enters only the final denominator: O / (l + exp(sink - m)) where the
 // output is written, or in the merge kernel when the keys were split.
 // No full-precision copy of K or V exists anywhere: codes go from memory to the tensor cores.
+// Steps (each __forceinline__; those shared with cuda_prefill.cu are in cuda_steps.cuh):
+//   paged_attention_kernel: general_work, GenLoader (block ids and stage copies), general_row,
+//     per stage general_scores (phase 1), general_codes (phases 2+3), general_rescale_o and
+//     general_pv_tile (phase 4); then general_row_sums and general_write_out.
+//   decode_warp_kernel: warp_decode_work, WdIds (raw block ids), warp_decode_query_row, WdLoader
+//     (stage copies), per stage warp_decode_stage (warp_decode_scores, rescale_row,
+//     group_weights8, warp_decode_pv); then warp_decode_merge_out.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -45,6 +52,7 @@
 #include "ops/paged_attention_int8/cuda.cuh"
 #include "ops/paged_attention_int8/cuda_device.cuh"
 #include "ops/paged_attention_int8/cuda_prefill.cuh"
+#include "ops/paged_attention_int8/cuda_steps.cuh"
 #include "ops/paged_attention_int8/fragment_map.h"
 
 namespace ort_ops {
@@ -104,133 +112,161 @@ struct Cfg {
 };
 static_assert(3 * (Cfg<128, 8>::bytes(false) + 1024) <= kSm90SmemPerSm, "three decode CTAs per SM (D 128, int8 P.V)");
 
-struct Work {
-  int s, h, ht, qtile, split;
-  int q_start, q_len, seq_len;
-};
-
 struct TileShape {
   int n_qt, n_ht, hpt, qpt, nsplit, ppc;
 };
 
-template <int D, PvQuant PV, bool ROWS16>
-__global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS16 ? 16 : 8>::MIN_BLOCKS)
-    paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
-  using C = Cfg<D, ROWS16 ? 16 : 8>;
-  constexpr int kWarps = C::W;
-  constexpr int kThreads = C::THREADS;
-  constexpr int KT = C::KT;
-  constexpr int QW = D / 16;   // 32-bit words of one row's d slice per lane (D/4 bytes)
-  constexpr int NT = D / 8 / kWarps;  // 8-column n-tiles per warp in P.V (warp owns D/kWarps columns)
-  constexpr bool kF16 = PV == PvQuant::kNone;
-  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
-  constexpr int kRi = ROWS16 ? 2 : 1;
-  constexpr int CS = C::c_stride(kF16);
-  constexpr int NKC = KT * D / 16 / kThreads;  // 16-byte K chunks per thread per stage
-  constexpr int NVC = D * KT / 16 / kThreads;  // 16-byte V chunks per thread per stage (one segment)
-  constexpr int SEGS = KT / 16;                // 16-key segments of a V row in a stage
-  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % (D / 16) == 0, "stage shape");
-  static_assert(NT >= 1, "head_dim too small for the warp count");
+// ---- the general kernel's steps ----
+// The CTA's work: (sequence, kv head, head tile, row tile, split), its query rows and keys.
+struct Work {
+  int s, h, ht, qtile, split;
+  int q_start, q_len, seq_len;
+  int rows_used;         // rows of the tile: qpt queries x hpt heads
+  int k_first;           // the tile's first query's window start (0 without a window)
+  int k_lo, k_hi, nstages;  // this split's keys the tile sees: [k_lo, k_hi), in stages of KT
+};
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* s_sm = reinterpret_cast<float*>(smem + C::S_OFF);
-  unsigned char* c_sm = smem + C::C_OFF;
-  float* g_sm = reinterpret_cast<float*>(smem + C::g_off(kF16));
-  float* red_max = reinterpret_cast<float*>(smem + C::misc_off(kF16));
-  float* red_sum = red_max + kWarps * kRows;
-  float* row_m = red_sum + kWarps * kRows;  // [2][16]: running max before / after a stage
-  float* row_l = row_m + 2 * kRows;
-  int* row_lim = reinterpret_cast<int*>(row_l + 3 * kRows);
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
-  const int G = Hq / Hkv;
-  const int partition = p.partition_size;
-
-  // ---- which work this CTA does ----
-  Work w;
-  {
-    int64_t idx = blockIdx.x;
-    w.qtile = static_cast<int>(idx % ts.n_qt);
-    idx /= ts.n_qt;
-    w.split = static_cast<int>(idx % ts.nsplit);
-    idx /= ts.nsplit;
-    w.ht = static_cast<int>(idx % ts.n_ht);
-    idx /= ts.n_ht;
-    w.h = static_cast<int>(idx % Hkv);
-    w.s = static_cast<int>(idx / Hkv);
-  }
+// Decodes blockIdx.x (row tile fastest) and checks the sequence's rows and length. Returns false
+// when the CTA has nothing to do (a tile past the sequence's queries, or a flagged bad input).
+template <int KT>
+__device__ __forceinline__ bool general_work(const PagedAttentionParams& p, const TileShape& ts, int Hkv, int B,
+                                             int partition, int tid, Work& w) {
+  int64_t idx = blockIdx.x;
+  w.qtile = static_cast<int>(idx % ts.n_qt);
+  idx /= ts.n_qt;
+  w.split = static_cast<int>(idx % ts.nsplit);
+  idx /= ts.nsplit;
+  w.ht = static_cast<int>(idx % ts.n_ht);
+  idx /= ts.n_ht;
+  w.h = static_cast<int>(idx % Hkv);
+  w.s = static_cast<int>(idx / Hkv);
   if (p.cu_seqlens_q != nullptr) {
-    w.q_start = p.cu_seqlens_q[w.s];
-    const int q_end = p.cu_seqlens_q[w.s + 1];
-    w.q_len = q_end - w.q_start;
-    const bool bad = w.q_start < 0 || w.q_len < 0 || q_end > p.num_tokens || w.q_len > p.max_q_len ||
-                     (w.s == 0 && w.q_start != 0) || (w.s == p.num_seqs - 1 && q_end != p.num_tokens);
-    if (bad) {
+    if (!read_cu_seqlens(p, w.s, w.q_start, w.q_len)) {
       if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
-      return;
+      return false;
     }
   } else {
     w.q_start = w.s;
     w.q_len = 1;
   }
-  const int rows_used = ts.qpt * ts.hpt;
-  if (w.qtile * ts.qpt >= w.q_len) return;
+  w.rows_used = ts.qpt * ts.hpt;
+  if (w.qtile * ts.qpt >= w.q_len) return false;
   w.seq_len = p.seq_lens[w.s];
   // The tile's first query sees keys from k_first on (window; 0 without). Decode splits start at
   // its 32-aligned start (tile_shape splits the window's span); prefill splits stay absolute.
-  const int k_first = window_first(static_cast<int64_t>(w.seq_len) - w.q_len + w.qtile * ts.qpt, p.window);
-  const int k_base = p.max_q_len == 1 ? (k_first & ~31) : 0;
+  w.k_first = window_first(static_cast<int64_t>(w.seq_len) - w.q_len + w.qtile * ts.qpt, p.window);
+  const int k_base = p.max_q_len == 1 ? (w.k_first & ~31) : 0;
   if (w.seq_len < w.q_len || w.seq_len > p.max_blocks * B ||
       w.seq_len - k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
     if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
-    return;
+    return false;
   }
   const int last_q = min(w.q_len - 1, w.qtile * ts.qpt + ts.qpt - 1);
   const int key_hi = w.seq_len - w.q_len + last_q + 1;  // keys this tile can see: [0, key_hi)
   const int k_split = k_base + w.split * ts.ppc * partition;
-  const int k_hi = min(k_split + ts.ppc * partition, key_hi);
-  const int k_lo = max(k_split, k_first & ~31);  // this split's keys the tile sees: [k_lo, k_hi)
-  const int nstages = k_hi > k_lo ? (k_hi - k_lo + KT - 1) / KT : 0;
+  w.k_hi = min(k_split + ts.ppc * partition, key_hi);
+  w.k_lo = max(k_split, w.k_first & ~31);
+  w.nstages = w.k_hi > w.k_lo ? (w.k_hi - w.k_lo + KT - 1) / KT : 0;
+  return true;
+}
 
-  // Row r -> (query token, q head); rows past the tile or the group see no keys.
-  auto row_info = [&](int r, int& token, int& head) -> int {
-    token = -1;
-    head = -1;
-    if (r >= rows_used) return 0;
-    const int qi = w.qtile * ts.qpt + r / ts.hpt;
-    const int hl = w.ht * kRows + r % ts.hpt;
-    if (qi >= w.q_len || hl >= G) return 0;
-    token = w.q_start + qi;
-    head = w.h * G + hl;
-    return w.seq_len - w.q_len + qi + 1;
+// Row r -> (query token, q head) and the keys it sees, [0, returned limit); rows past the tile
+// or the group see no keys (token and head -1).
+__device__ __forceinline__ int general_row(const Work& w, const TileShape& ts, int G, int r, int& token, int& head) {
+  token = -1;
+  head = -1;
+  if (r >= w.rows_used) return 0;
+  const int qi = w.qtile * ts.qpt + r / ts.hpt;
+  const int hl = w.ht * kRows + r % ts.hpt;
+  if (qi >= w.q_len || hl >= G) return 0;
+  token = w.q_start + qi;
+  head = w.h * G + hl;
+  return w.seq_len - w.q_len + qi + 1;
+}
+
+// The CTA's shared memory past the two stages (Cfg's layout).
+struct GenSmem {
+  float* s_sm;           // scores [R][S_STRIDE]
+  unsigned char* c_sm;   // P codes [R][c_stride]
+  float* g_sm;           // group scales [R][G_STRIDE]
+  float* red_max;        // [W][16] per-warp row maxima
+  float* red_sum;        // [W][16] per-warp row sums
+  float* row_m;          // [2][16]: running max before / after a stage
+  float* row_l;          // [16]
+  int* row_lim;          // [16]
+};
+
+template <typename C, bool kF16>
+__device__ __forceinline__ GenSmem general_smem(unsigned char* smem) {
+  GenSmem m;
+  m.s_sm = reinterpret_cast<float*>(smem + C::S_OFF);
+  m.c_sm = smem + C::C_OFF;
+  m.g_sm = reinterpret_cast<float*>(smem + C::g_off(kF16));
+  m.red_max = reinterpret_cast<float*>(smem + C::misc_off(kF16));
+  m.red_sum = m.red_max + C::W * kRows;
+  m.row_m = m.red_sum + C::W * kRows;
+  m.row_l = m.row_m + 2 * kRows;
+  m.row_lim = reinterpret_cast<int*>(m.row_l + 3 * kRows);
+  return m;
+}
+
+// ---- stage loads: block ids one stage ahead (registers), data two stages ahead (cp.async) ----
+// Each thread moves NKC K chunks (chunk c = tid + kThreads * i: key c / (D/16), 16 bytes at
+// (c % (D/16)) * 16, so 8 consecutive lanes read one 128-byte key row), one 16-key V segment
+// of NVC columns (8 lanes: 128 contiguous bytes of one V row) and, for tid < KT / 2, one 4-key
+// scale chunk. Block ids are looked up one stage ahead.
+template <int D, int R>
+struct GenLoader {
+  using C = Cfg<D, R>;
+  static constexpr int KT = C::KT;
+  static constexpr int kThreads = C::THREADS;
+  static constexpr int NKC = KT * D / 16 / kThreads;  // 16-byte K chunks per thread per stage
+  static constexpr int NVC = D * KT / 16 / kThreads;  // 16-byte V chunks per thread per stage (one segment)
+  static constexpr int SEGS = KT / 16;                // 16-key segments of a V row in a stage
+  static constexpr int kTokStep = kThreads / (D / 16);
+  static_assert(NKC >= 1 && NVC >= 1 && kThreads % SEGS == 0 && kThreads % (D / 16) == 0, "stage shape");
+  struct Ids {
+    int k[NKC];
+    int v, sc;
   };
 
-  // ---- stage loads: block ids one stage ahead (registers), data two stages ahead (cp.async) ----
-  const int32_t* bt = p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks;
-  const int64_t blk_stride = static_cast<int64_t>(Hkv) * B * D;  // bytes per cache block (K or V)
-  const int lb = p.log2_block_size;
-  auto block_of = [&](int pos) -> int {  // block of a visible position, or -1 (flagged)
+  const PagedAttentionParams& p;
+  unsigned char* smem;
+  const int32_t* bt;
+  int64_t blk_stride;  // bytes per cache block (K or V)
+  int tid, h, Hkv, B, lb, k_first, k_lo, k_hi, nstages;
+  int ktok, kpart, vseg, vd0, stok;
+
+  __device__ __forceinline__ GenLoader(const PagedAttentionParams& p_, const Work& w, int Hkv_, int B_,
+                                       unsigned char* smem_, int tid_)
+      : p(p_), smem(smem_), tid(tid_) {
+    h = w.h;
+    B = B_;
+    Hkv = Hkv_;
+    bt = p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks;
+    blk_stride = static_cast<int64_t>(Hkv) * B * D;
+    lb = p.log2_block_size;
+    k_first = w.k_first;
+    k_lo = w.k_lo;
+    k_hi = w.k_hi;
+    nstages = w.nstages;
+    ktok = tid / (D / 16);
+    kpart = tid % (D / 16);
+    vseg = tid % SEGS;
+    vd0 = tid / SEGS;
+    stok = 4 * (tid % (KT / 4));
+  }
+
+  __device__ __forceinline__ int block_of(int pos) const {  // block of a visible position, or -1 (flagged)
     const int b = bt[pos >> lb];
     if (b < 0 || b >= p.num_blocks) {
       atomicOr(p.status, kPaBlockOutOfRange);
       return -1;
     }
     return b;
-  };
-  // Each thread moves NKC K chunks (chunk c = tid + kThreads * i: key c / (D/16), 16 bytes at
-  // (c % (D/16)) * 16, so 8 consecutive lanes read one 128-byte key row), one 16-key V segment
-  // of NVC columns (8 lanes: 128 contiguous bytes of one V row) and, for tid < KT / 2, one 4-key
-  // scale chunk. Block ids are looked up one stage ahead.
-  const int ktok = tid / (D / 16), kpart = tid % (D / 16);
-  constexpr int kTokStep = kThreads / (D / 16);
-  const int vseg = tid % SEGS, vd0 = tid / SEGS;
-  const int stok = 4 * (tid % (KT / 4));
-  struct Ids {
-    int k[NKC];
-    int v, sc;
-  };
-  auto load_ids = [&](int j, Ids& ids) {
+  }
+
+  __device__ __forceinline__ void load_ids(int j, Ids& ids) const {
     const int kp0 = k_lo + j * KT;
     const int kend = min(kp0 + KT, k_hi);
     const bool live = j < nstages;
@@ -242,8 +278,10 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
     // Segments and scale chunks wholly before the window are not read (zero filled, masked).
     ids.v = (live && kp0 + 16 * vseg < kend && kp0 + 16 * vseg + 16 > k_first) ? block_of(kp0 + 16 * vseg) : -1;
     ids.sc = (live && tid < KT / 2 && kp0 + stok < kend && kp0 + stok + 4 > k_first) ? block_of(kp0 + stok) : -1;
-  };
-  auto issue = [&](int j, const Ids& ids) {
+  }
+
+  // Stage j's copies into slot j & 1 and their commit group.
+  __device__ __forceinline__ void issue(int j, const Ids& ids) const {
     unsigned char* st = smem + (j & 1) * C::STAGE;
     const int kp0 = k_lo + j * KT;
 #pragma unroll
@@ -251,14 +289,14 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const int tok = ktok + kTokStep * i;
       const bool ok = ids.k[i] >= 0;
       const int8_t* src = ok ? p.key_cache + ids.k[i] * blk_stride +
-                                   (static_cast<int64_t>(w.h) * B + ((kp0 + tok) & (B - 1))) * D + kpart * 16
+                                   (static_cast<int64_t>(h) * B + ((kp0 + tok) & (B - 1))) * D + kpart * 16
                              : p.key_cache;
       cp_async16(st + C::K_OFF + tok * C::KS + kpart * 16, src, ok);
     }
     {
       const bool ok = ids.v >= 0;
       const int8_t* src = ok ? p.value_cache + ids.v * blk_stride +
-                                   (static_cast<int64_t>(w.h) * D + vd0) * B + ((kp0 + 16 * vseg) & (B - 1))
+                                   (static_cast<int64_t>(h) * D + vd0) * B + ((kp0 + 16 * vseg) & (B - 1))
                              : p.value_cache;
       const int64_t src_step = static_cast<int64_t>(kThreads / SEGS) * B;
       unsigned char* dst = st + C::V_OFF + (vseg >> 2) * (D * 64) + vd0 * 64 + 16 * (vseg & 3);
@@ -270,34 +308,296 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
       const bool is_v = tid >= KT / 4;
       const bool ok = ids.sc >= 0;
       const float* base = is_v ? p.value_scale : p.key_scale;
-      const float* src = ok ? base + (static_cast<int64_t>(ids.sc) * Hkv + w.h) * B + ((kp0 + stok) & (B - 1)) : base;
+      const float* src = ok ? base + (static_cast<int64_t>(ids.sc) * Hkv + h) * B + ((kp0 + stok) & (B - 1)) : base;
       cp_async16(st + (is_v ? C::SV_OFF : C::SK_OFF) + stok * 4, src, ok);
     }
     cp_async_commit();
-  };
+  }
+};
 
-  Ids ids_next;
-  load_ids(0, ids_next);
-  issue(0, ids_next);
-  load_ids(1, ids_next);
-  issue(1, ids_next);
-  load_ids(2, ids_next);
+// Phase 1: scores of the stage's keys into shared memory (warp w takes 8-key n-tiles w, w + W,
+// ...; rows g and g+8 of lane (g, t)), each warp's row maxima into red_max.
+template <int D, bool ROWS16>
+__device__ __forceinline__ void general_scores(const PagedAttentionParams& p, const unsigned char* st, const GenSmem& sm,
+                                               int kp0, int kend, const uint32_t (&qa)[ROWS16 ? 2 : 1][D / 16],
+                                               const float (&sq)[ROWS16 ? 2 : 1], const int (&lim)[ROWS16 ? 2 : 1],
+                                               const int (&wlo)[ROWS16 ? 2 : 1], int warp, int g, int t) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr int kWarps = C::W;
+  constexpr int kRi = ROWS16 ? 2 : 1;
+  const unsigned char* k_sm = st + C::K_OFF;
+  const float* sk_sm = reinterpret_cast<const float*>(st + C::SK_OFF);
+  float pmax[kRi];
+#pragma unroll
+  for (int ri = 0; ri < kRi; ++ri) pmax[ri] = kNegInf;
+  const int n8 = (kend - kp0 + 7) / 8;
+#pragma unroll
+  for (int u = 0; u < (C::KT / 8 + kWarps - 1) / kWarps; ++u) {
+    const int nt = warp + kWarps * u;
+    if (nt >= n8) break;  // warp-uniform
+    uint32_t kw[D / 16];
+    load_k_slice<D>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
+    int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c)
+      mma_i8<false>(acc, qa[0][2 * c], ROWS16 ? qa[kRi - 1][2 * c] : 0u, qa[0][2 * c + 1],
+                    ROWS16 ? qa[kRi - 1][2 * c + 1] : 0u, kw[2 * c], kw[2 * c + 1]);
+    const int kc = nt * 8 + 2 * t;  // this lane's two score columns (stage offsets)
+    const float2 sk = *reinterpret_cast<const float2*>(sk_sm + kc);
+#pragma unroll
+    for (int ri = 0; ri < kRi; ++ri) {
+      const int lim_rel = min(lim[ri], kend) - kp0, lo_rel = wlo[ri] - kp0;
+      const float s0 = kc < lim_rel && kc >= lo_rel
+                           ? qk_score(static_cast<float>(acc[2 * ri]), sq[ri], sk.x, p.scale, p.softcap)
+                           : kNegInf;
+      const float s1 = kc + 1 < lim_rel && kc + 1 >= lo_rel
+                           ? qk_score(static_cast<float>(acc[2 * ri + 1]), sq[ri], sk.y, p.scale, p.softcap)
+                           : kNegInf;
+      pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
+      *reinterpret_cast<float2*>(sm.s_sm + (g + 8 * ri) * C::S_STRIDE + kc) = make_float2(s0, s1);
+    }
+  }
+#pragma unroll
+  for (int ri = 0; ri < kRi; ++ri) {
+    const float m = warp_max4(pmax[ri]);
+    if (t == 0) sm.red_max[warp * kRows + g + 8 * ri] = m;
+  }
+  if (!ROWS16 && t == 0) sm.red_max[warp * kRows + g + 8] = kNegInf;
+}
+
+// Phases 2+3 for one row r and its 4 keys 4c .. 4c+3: the row's stage max from the per-warp
+// maxima, alpha = exp(M - M'), beta = exp(m - M'); e = exp(s - m_stage), W = e * sV, the 32-key
+// group's max over 8 threads -> codes and the group scale. Every thread derives these itself
+// (no extra barrier); row_m is double-buffered by stage parity so the old M stays readable
+// while the new one is written. lacc: the thread's part of the row sum, rescaled by alpha.
+template <int D, PvQuant PV, bool ROWS16>
+__device__ __forceinline__ void general_codes(const PagedAttentionParams& p, const unsigned char* st,
+                                              const GenSmem& sm, const float* m_old, float* m_new, int r, int c,
+                                              bool row_ok, int kp0, int kend, float& lacc) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr bool kF16 = PV == PvQuant::kNone;
+  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
+  constexpr int CS = C::c_stride(kF16);
+  const float* sv_sm = reinterpret_cast<const float*>(st + C::SV_OFF);
+  const int k = 4 * c;
+  float mp = kNegInf, mo = kNegInf;
+  int lim_rel = 0, lo_rel = 0;
+  if (row_ok) {
+#pragma unroll
+    for (int i = 0; i < C::W; ++i) mp = fmaxf(mp, sm.red_max[i * kRows + r]);
+    mo = m_old[r];
+    lim_rel = min(sm.row_lim[r], kend) - kp0;
+    lo_rel = window_first(sm.row_lim[r] - 1, p.window) - kp0;
+  }
+  const float mn = fmaxf(mo, mp);
+  const float alpha = mo == kNegInf ? 0.0f : __expf(mo - mn);
+  const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
+  if (row_ok && c == 0) m_new[r] = mn;
+  float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float esum = 0.0f;
+  if (k < lim_rel && k + 3 >= lo_rel) {
+    const float4 sc = *reinterpret_cast<const float4*>(sm.s_sm + r * C::S_STRIDE + k);
+    const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
+    const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
+    const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (k + jj < lim_rel && k + jj >= lo_rel) {
+        const float e = __expf(scv[jj] - mp);  // ex2.approx: a few ulp, W codes tolerate it
+        esum += e;
+        wv[jj] = e * svv[jj];
+      }
+    }
+  }
+  lacc = alpha * lacc + beta * esum;
+  float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
+  gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
+  gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
+  gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 4));
+  if (!row_ok) return;
+  if constexpr (kF16) {
+    __half hv[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) hv[jj] = __float2half_rn(gmax > 0.0f ? __fdiv_rn(wv[jj], gmax) : 0.0f);
+    *reinterpret_cast<uint2*>(sm.c_sm + r * CS + 2 * k) = *reinterpret_cast<const uint2*>(hv);
+    if ((c & 7) == 0) sm.g_sm[r * C::G_STRIDE + (c >> 3)] = gmax * beta;
+  } else {
+    *reinterpret_cast<uint32_t*>(sm.c_sm + r * CS + k) = codes4_rint(wv, code_inverse(gmax, kLevels), kLevels);
+    if ((c & 7) == 0) sm.g_sm[r * C::G_STRIDE + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
+  }
+}
+
+// Phase 4 for one 64-key tile ti: P.V on the tensor cores. Warp w owns NT 8-column n-tiles of
+// the output from dbase; lane (g, t) reads V keys 64ti+16t .. +15 of column g (one 16-byte read)
+// and swaps halves with lane t^2 so that MMA grp consumes exactly keys 32grp .. 32grp+31 of the
+// tile (fragment_map.h). Each group's sum is scaled by its own group scale.
+template <int D, PvQuant PV, bool ROWS16, int NT>
+__device__ __forceinline__ void general_pv_tile(const unsigned char* v_sm, const GenSmem& sm, int ti, int dbase, int g,
+                                                int t, float (&o)[NT][4]) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr bool kF16 = PV == PvQuant::kNone;
+  constexpr int CS = C::c_stride(kF16);
+  // A fragments and group scales of the tile's two groups (rows g and g+8).
+  uint32_t a[2][kF16 ? 8 : 4];
+  float gs[2][2];
+#pragma unroll
+  for (int grp = 0; grp < 2; ++grp) {
+    const int tok0 = 64 * ti + 32 * grp + pv_token_base(t);
+    gs[grp][0] = sm.g_sm[g * C::G_STRIDE + 2 * ti + grp];
+    gs[grp][1] = ROWS16 ? sm.g_sm[(g + 8) * C::G_STRIDE + 2 * ti + grp] : 0.0f;
+    if constexpr (kF16) {
+      const uint4 r0 = *reinterpret_cast<const uint4*>(sm.c_sm + g * CS + 2 * tok0);
+      uint4 r1 = make_uint4(0u, 0u, 0u, 0u);
+      if (ROWS16) r1 = *reinterpret_cast<const uint4*>(sm.c_sm + (g + 8) * CS + 2 * tok0);
+      // k16 MMA #1 takes keys tok0+0..3, #2 takes tok0+4..7 (slots 2t,2t+1 then 2t+8,2t+9).
+      a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
+      a[grp][4] = r0.z; a[grp][5] = r1.z; a[grp][6] = r0.w; a[grp][7] = r1.w;
+    } else {
+      const uint2 r0 = *reinterpret_cast<const uint2*>(sm.c_sm + g * CS + tok0);
+      uint2 r1 = make_uint2(0u, 0u);
+      if (ROWS16) r1 = *reinterpret_cast<const uint2*>(sm.c_sm + (g + 8) * CS + tok0);
+      a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
+    }
+  }
+#pragma unroll
+  for (int jn = 0; jn < NT; ++jn) {
+    // One 16-byte read: keys 64ti+16t .. +15 of output column dbase + 8jn + g.
+    const uint4 x = *reinterpret_cast<const uint4*>(v_sm + ti * (D * 64) + (dbase + 8 * jn + g) * 64 + 16 * t);
+    // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
+    // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
+    const bool lo = t < 2;
+    const uint32_t r0 = __shfl_xor_sync(0xffffffffu, lo ? x.z : x.x, kPvSwapXor);
+    const uint32_t r1 = __shfl_xor_sync(0xffffffffu, lo ? x.w : x.y, kPvSwapXor);
+    const uint32_t b[2][2] = {{lo ? x.x : r0, lo ? x.y : r1}, {lo ? r0 : x.z, lo ? r1 : x.w}};
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      if constexpr (kF16) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        pv_f16_8keys(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], a[grp][4], a[grp][5], a[grp][6], a[grp][7],
+                     b[grp][0], b[grp][1]);
+        o[jn][0] += gs[grp][0] * acc[0];
+        o[jn][1] += gs[grp][0] * acc[1];
+        o[jn][2] += gs[grp][1] * acc[2];
+        o[jn][3] += gs[grp][1] * acc[3];
+      } else {
+        int acc[4] = {0, 0, 0, 0};
+        mma_i8<PV == PvQuant::kU8>(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], b[grp][0], b[grp][1]);
+        o[jn][0] += gs[grp][0] * static_cast<float>(acc[0]);
+        o[jn][1] += gs[grp][0] * static_cast<float>(acc[1]);
+        o[jn][2] += gs[grp][1] * static_cast<float>(acc[2]);
+        o[jn][3] += gs[grp][1] * static_cast<float>(acc[3]);
+      }
+    }
+  }
+}
+
+// Phase 4's first step: O of rows g and g+8 scaled by alpha = exp(M - M') (0 while the row had no key).
+template <bool ROWS16, int NT>
+__device__ __forceinline__ void general_rescale_o(const float* m_old, const float* m_new, int g, float (&o)[NT][4]) {
+  auto alpha_of = [&](int r) {
+    const float mo = m_old[r], mn = m_new[r];
+    return mo == kNegInf ? 0.0f : __expf(mo - mn);
+  };
+  const float al0 = alpha_of(g);
+  const float al1 = ROWS16 ? alpha_of(g + 8) : 0.0f;
+#pragma unroll
+  for (int jn = 0; jn < NT; ++jn) {
+    o[jn][0] *= al0;
+    o[jn][1] *= al0;
+    o[jn][2] *= al1;
+    o[jn][3] *= al1;
+  }
+}
+
+// Row sums: each row's per-thread partial l over NCHUNK consecutive threads (whole warps) ->
+// red_sum per warp -> row_l.
+template <int kThreads, int NCHUNK, int kPasses>
+__device__ __forceinline__ void general_row_sums(const GenSmem& sm, const float (&lacc)[kPasses], int tid,
+                                                 int rows_used) {
+  constexpr int kRowLanes = NCHUNK < 32 ? NCHUNK : 32;  // lanes of one row within a warp
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    float v = lacc[pass];
+#pragma unroll
+    for (int off = kRowLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
+    if (tid % kRowLanes == 0 && r < kRows) sm.red_sum[((tid % NCHUNK) / 32) * kRows + r] = v;
+  }
+  __syncthreads();
+  if (tid < kRows) {
+    float l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += sm.red_sum[i * kRows + tid];
+    sm.row_l[tid] = tid < rows_used ? l : 0.0f;
+  }
+  __syncthreads();
+}
+
+// Writes O / l of the lane's rows (the sink joins l with one split; the merge kernel adds it
+// otherwise), or the split's partial O and its m, l.
+template <int D, int kRi, int NT>
+__device__ __forceinline__ void general_write_out(const PagedAttentionParams& p, const TileShape& ts, int split,
+                                                  const GenSmem& sm, const float* m_final, const int (&qtok)[kRi],
+                                                  const int (&qhead)[kRi], const float (&o)[NT][4], int dbase,
+                                                  int warp, int g, int t) {
+#pragma unroll
+  for (int ri = 0; ri < kRi; ++ri) {
+    if (qtok[ri] < 0) continue;
+    const int r = g + 8 * ri;
+    const float l = sm.row_l[r];
+    const float den = ts.nsplit == 1 ? add_sink(l, m_final[r], p.head_sink, qhead[ri], p.status) : l;
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    const int64_t row = static_cast<int64_t>(qtok[ri]) * p.num_heads + qhead[ri];
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+      store_row2<D>(p, row, ts.nsplit, split, dbase + 8 * jn + 2 * t, o[jn][2 * ri] * inv, o[jn][2 * ri + 1] * inv);
+    if (ts.nsplit > 1 && warp == 0 && t == 0) store_split_ml<D>(p, row, ts.nsplit, split, m_final[r], l);
+  }
+}
+
+template <int D, PvQuant PV, bool ROWS16>
+__global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS16 ? 16 : 8>::MIN_BLOCKS)
+    paged_attention_kernel(PagedAttentionParams p, TileShape ts) {
+  using C = Cfg<D, ROWS16 ? 16 : 8>;
+  constexpr int kWarps = C::W;
+  constexpr int kThreads = C::THREADS;
+  constexpr int KT = C::KT;
+  constexpr int NT = D / 8 / kWarps;  // 8-column n-tiles per warp in P.V (warp owns D/kWarps columns)
+  constexpr int kRi = ROWS16 ? 2 : 1;
+  static_assert(NT >= 1, "head_dim too small for the warp count");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const GenSmem sm = general_smem<C, PV == PvQuant::kNone>(smem);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int Hkv = p.num_kv_heads, B = p.block_size;
+  const int G = p.num_heads / Hkv;
+
+  Work w;
+  if (!general_work<KT>(p, ts, Hkv, B, p.partition_size, tid, w)) return;
+
+  const GenLoader<D, ROWS16 ? 16 : 8> ld(p, w, Hkv, B, smem, tid);
+  typename GenLoader<D, ROWS16 ? 16 : 8>::Ids ids_next;
+  ld.load_ids(0, ids_next);
+  ld.issue(0, ids_next);
+  ld.load_ids(1, ids_next);
+  ld.issue(1, ids_next);
+  ld.load_ids(2, ids_next);
 
   if (tid < kRows) {
     int tok, hd;
-    row_lim[tid] = row_info(tid, tok, hd);
-    row_m[tid] = kNegInf;
-    row_m[kRows + tid] = kNegInf;
-    row_l[tid] = 0.0f;
+    sm.row_lim[tid] = general_row(w, ts, G, tid, tok, hd);
+    sm.row_m[tid] = kNegInf;
+    sm.row_m[kRows + tid] = kNegInf;
+    sm.row_l[tid] = 0.0f;
   }
 
-  // ---- Q: quantize this lane's d slice of rows g and g+8 (bit-exact with quantize_rows) ----
-  uint32_t qa[kRi][QW];
+  // Q: quantize this lane's d slice of rows g and g+8 (bit-exact with quantize_rows).
+  uint32_t qa[kRi][D / 16];
   float sq[kRi];
   int lim[kRi], wlo[kRi], qtok[kRi], qhead[kRi];
 #pragma unroll
   for (int ri = 0; ri < kRi; ++ri) {
-    lim[ri] = row_info(g + 8 * ri, qtok[ri], qhead[ri]);
+    lim[ri] = general_row(w, ts, G, g + 8 * ri, qtok[ri], qhead[ri]);
     wlo[ri] = window_first(lim[ri] - 1, p.window);  // the row sees keys [wlo, lim)
     if (!quantize_q_slice<D>(p, qtok[ri], qhead[ri], t, qa[ri], sq[ri])) atomicOr(p.status, kPaQueryNonFinite);
   }
@@ -310,259 +610,46 @@ __global__ void __launch_bounds__(Cfg<D, ROWS16 ? 16 : 8>::THREADS, Cfg<D, ROWS1
   constexpr int NCHUNK = KT / 4;  // 4 keys per thread per row; 8 threads = one 32-key group
   constexpr int kPasses = (kRows + kThreads / NCHUNK - 1) / (kThreads / NCHUNK);
   static_assert(NCHUNK % 32 == 0 || 32 % NCHUNK == 0, "a row's threads tile warps");
-  constexpr int kRowLanes = NCHUNK < 32 ? NCHUNK : 32;  // lanes of one row within a warp
   float lacc[kPasses];
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) lacc[i] = 0.0f;
 
-  for (int j = 0; j < nstages; ++j) {
+  for (int j = 0; j < w.nstages; ++j) {
     cp_async_wait<1>();  // stage j has landed (stage j+1 may still be in flight)
     __syncthreads();
     const unsigned char* st = smem + (j & 1) * C::STAGE;
-    const unsigned char* k_sm = st + C::K_OFF;
-    const unsigned char* v_sm = st + C::V_OFF;
-    const float* sk_sm = reinterpret_cast<const float*>(st + C::SK_OFF);
-    const float* sv_sm = reinterpret_cast<const float*>(st + C::SV_OFF);
-    const int kp0 = k_lo + j * KT;
-    const int kend = min(kp0 + KT, k_hi);
-    const int nkeys = kend - kp0;
+    const int kp0 = w.k_lo + j * KT;
+    const int kend = min(kp0 + KT, w.k_hi);
 
-    // ---- phase 1: scores (K fragments from shared memory) ----
-    float pmax[kRi];
-#pragma unroll
-    for (int ri = 0; ri < kRi; ++ri) pmax[ri] = kNegInf;
-    const int n8 = (nkeys + 7) / 8;
-#pragma unroll
-    for (int u = 0; u < (KT / 8 + kWarps - 1) / kWarps; ++u) {
-      const int nt = warp + kWarps * u;
-      if (nt >= n8) break;  // warp-uniform
-      uint32_t kw[QW];
-      load_k_slice<D>(k_sm + (nt * 8 + g) * C::KS + t * (D / 4), kw);
-      int acc[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c)
-        mma_i8<false>(acc, qa[0][2 * c], ROWS16 ? qa[kRi - 1][2 * c] : 0u, qa[0][2 * c + 1],
-                      ROWS16 ? qa[kRi - 1][2 * c + 1] : 0u, kw[2 * c], kw[2 * c + 1]);
-      const int kc = nt * 8 + 2 * t;  // this lane's two score columns (stage offsets)
-      const float2 sk = *reinterpret_cast<const float2*>(sk_sm + kc);
-#pragma unroll
-      for (int ri = 0; ri < kRi; ++ri) {
-        const int lim_rel = min(lim[ri], kend) - kp0, lo_rel = wlo[ri] - kp0;
-        const float s0 = kc < lim_rel && kc >= lo_rel
-                             ? apply_softcap(((static_cast<float>(acc[2 * ri]) * sq[ri]) * sk.x) * p.scale, p.softcap)
-                             : kNegInf;
-        const float s1 = kc + 1 < lim_rel && kc + 1 >= lo_rel
-                             ? apply_softcap(((static_cast<float>(acc[2 * ri + 1]) * sq[ri]) * sk.y) * p.scale, p.softcap)
-                             : kNegInf;
-        pmax[ri] = fmaxf(pmax[ri], fmaxf(s0, s1));
-        *reinterpret_cast<float2*>(s_sm + (g + 8 * ri) * C::S_STRIDE + kc) = make_float2(s0, s1);
-      }
-    }
-#pragma unroll
-    for (int ri = 0; ri < kRi; ++ri) {
-      const float m = warp_max4(pmax[ri]);
-      if (t == 0) red_max[warp * kRows + g + 8 * ri] = m;
-    }
-    if (!ROWS16 && t == 0) red_max[warp * kRows + g + 8] = kNegInf;
+    general_scores<D, ROWS16>(p, st, sm, kp0, kend, qa, sq, lim, wlo, warp, g, t);
     __syncthreads();
 
-    // ---- phases 2+3: merge factors, W = exp(s - m_stage) * sV, per-group codes and scales ----
-    // Every thread derives its row's stage max, alpha = exp(M - M') and beta = exp(m - M') from
-    // the per-warp maxima itself (no extra barrier); row_m is double-buffered by stage parity so
-    // the old M stays readable while the new one is written. Row sums l are kept per thread
-    // (rescaled by alpha each stage) and reduced once at the end.
-    float* m_old = row_m + (j & 1) * kRows;
-    float* m_new = row_m + ((j + 1) & 1) * kRows;
+    const float* m_old = sm.row_m + (j & 1) * kRows;
+    float* m_new = sm.row_m + ((j + 1) & 1) * kRows;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
-      const int c = tid % NCHUNK;
-      const int k = 4 * c;
-      const bool row_ok = r < rows_used;
-      float mp = kNegInf, mo = kNegInf;
-      int lim_rel = 0, lo_rel = 0;
-      if (row_ok) {
-#pragma unroll
-        for (int i = 0; i < kWarps; ++i) mp = fmaxf(mp, red_max[i * kRows + r]);
-        mo = m_old[r];
-        lim_rel = min(row_lim[r], kend) - kp0;
-        lo_rel = window_first(row_lim[r] - 1, p.window) - kp0;
-      }
-      const float mn = fmaxf(mo, mp);
-      const float alpha = mo == kNegInf ? 0.0f : __expf(mo - mn);
-      const float beta = mp == kNegInf ? 0.0f : __expf(mp - mn);
-      if (row_ok && c == 0) m_new[r] = mn;
-      float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float esum = 0.0f;
-      if (k < lim_rel && k + 3 >= lo_rel) {
-        const float4 sc = *reinterpret_cast<const float4*>(s_sm + r * C::S_STRIDE + k);
-        const float4 sv = *reinterpret_cast<const float4*>(sv_sm + k);
-        const float scv[4] = {sc.x, sc.y, sc.z, sc.w};
-        const float svv[4] = {sv.x, sv.y, sv.z, sv.w};
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-          if (k + jj < lim_rel && k + jj >= lo_rel) {
-            const float e = __expf(scv[jj] - mp);  // ex2.approx: a few ulp, W codes tolerate it
-            esum += e;
-            wv[jj] = e * svv[jj];
-          }
-        }
-      }
-      lacc[pass] = alpha * lacc[pass] + beta * esum;
-      float gmax = fmaxf(fmaxf(wv[0], wv[1]), fmaxf(wv[2], wv[3]));
-      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 1));
-      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 2));
-      gmax = fmaxf(gmax, __shfl_xor_sync(0xffffffffu, gmax, 4));
-      if (row_ok) {
-        if constexpr (kF16) {
-          __half hv[4];
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) hv[jj] = __float2half_rn(gmax > 0.0f ? __fdiv_rn(wv[jj], gmax) : 0.0f);
-          *reinterpret_cast<uint2*>(c_sm + r * CS + 2 * k) = *reinterpret_cast<const uint2*>(hv);
-          if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = gmax * beta;
-        } else {
-          const float inv = code_inverse(gmax, kLevels);
-          uint32_t packed = 0;
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const float q = fminf(rintf(__fmul_rn(wv[jj], inv)), kLevels);
-            packed |= (static_cast<uint32_t>(q) & 0xffu) << (8 * jj);
-          }
-          *reinterpret_cast<uint32_t*>(c_sm + r * CS + k) = packed;
-          if ((c & 7) == 0) g_sm[r * C::G_STRIDE + (c >> 3)] = __fdiv_rn(gmax, kLevels) * beta;
-        }
-      }
+      general_codes<D, PV, ROWS16>(p, st, sm, m_old, m_new, r, tid % NCHUNK, r < w.rows_used, kp0, kend, lacc[pass]);
     }
     __syncthreads();
 
-    // ---- phase 4: P.V on the tensor cores (V fragments from shared memory) ----
-    {
-      auto alpha_of = [&](int r) {
-        const float mo = m_old[r], mn = m_new[r];
-        return mo == kNegInf ? 0.0f : __expf(mo - mn);
-      };
-      const float al0 = alpha_of(g);
-      const float al1 = ROWS16 ? alpha_of(g + 8) : 0.0f;
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        o[jn][0] *= al0;
-        o[jn][1] *= al0;
-        o[jn][2] *= al1;
-        o[jn][3] *= al1;
-      }
-    }
-    const int n64 = (nkeys + 63) / 64;
+    // Phase 4: O rescaled to the new running max, then P.V per 64-key tile.
+    general_rescale_o<ROWS16>(m_old, m_new, g, o);
+    const int n64 = (kend - kp0 + 63) / 64;
 #pragma unroll
     for (int ti = 0; ti < KT / 64; ++ti) {
       if (ti >= n64) break;  // warp-uniform
-      // A fragments and group scales of the tile's two groups (rows g and g+8).
-      uint32_t a[2][kF16 ? 8 : 4];
-      float gs[2][2];
-#pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        const int tok0 = 64 * ti + 32 * grp + pv_token_base(t);
-        gs[grp][0] = g_sm[g * C::G_STRIDE + 2 * ti + grp];
-        gs[grp][1] = ROWS16 ? g_sm[(g + 8) * C::G_STRIDE + 2 * ti + grp] : 0.0f;
-        if constexpr (kF16) {
-          const uint4 r0 = *reinterpret_cast<const uint4*>(c_sm + g * CS + 2 * tok0);
-          uint4 r1 = make_uint4(0u, 0u, 0u, 0u);
-          if (ROWS16) r1 = *reinterpret_cast<const uint4*>(c_sm + (g + 8) * CS + 2 * tok0);
-          // k16 MMA #1 takes keys tok0+0..3, #2 takes tok0+4..7 (slots 2t,2t+1 then 2t+8,2t+9).
-          a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
-          a[grp][4] = r0.z; a[grp][5] = r1.z; a[grp][6] = r0.w; a[grp][7] = r1.w;
-        } else {
-          const uint2 r0 = *reinterpret_cast<const uint2*>(c_sm + g * CS + tok0);
-          uint2 r1 = make_uint2(0u, 0u);
-          if (ROWS16) r1 = *reinterpret_cast<const uint2*>(c_sm + (g + 8) * CS + tok0);
-          a[grp][0] = r0.x; a[grp][1] = r1.x; a[grp][2] = r0.y; a[grp][3] = r1.y;
-        }
-      }
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        // One 16-byte read: keys 64ti+16t .. +15 of output column dbase + 8jn + g.
-        const uint4 x = *reinterpret_cast<const uint4*>(v_sm + ti * (D * 64) + (dbase + 8 * jn + g) * 64 + 16 * t);
-        // Lane t < 2 keeps x0,x1 (group 0) and receives the partner's x0,x1 (group 1); lane
-        // t >= 2 receives the partner's x2,x3 (group 0) and keeps x2,x3 (group 1).
-        const bool lo = t < 2;
-        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, lo ? x.z : x.x, kPvSwapXor);
-        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, lo ? x.w : x.y, kPvSwapXor);
-        const uint32_t b[2][2] = {{lo ? x.x : r0, lo ? x.y : r1}, {lo ? r0 : x.z, lo ? r1 : x.w}};
-#pragma unroll
-        for (int grp = 0; grp < 2; ++grp) {
-          if constexpr (kF16) {
-            uint32_t h0, h1, h2, h3;
-            s8x4_to_half2x2(b[grp][0], h0, h1);
-            s8x4_to_half2x2(b[grp][1], h2, h3);
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_f16(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], h0, h1);
-            mma_f16(acc, a[grp][4], a[grp][5], a[grp][6], a[grp][7], h2, h3);
-            o[jn][0] += gs[grp][0] * acc[0];
-            o[jn][1] += gs[grp][0] * acc[1];
-            o[jn][2] += gs[grp][1] * acc[2];
-            o[jn][3] += gs[grp][1] * acc[3];
-          } else {
-            int acc[4] = {0, 0, 0, 0};
-            mma_i8<PV == PvQuant::kU8>(acc, a[grp][0], a[grp][1], a[grp][2], a[grp][3], b[grp][0], b[grp][1]);
-            o[jn][0] += gs[grp][0] * static_cast<float>(acc[0]);
-            o[jn][1] += gs[grp][0] * static_cast<float>(acc[1]);
-            o[jn][2] += gs[grp][1] * static_cast<float>(acc[2]);
-            o[jn][3] += gs[grp][1] * static_cast<float>(acc[3]);
-          }
-        }
-      }
+      general_pv_tile<D, PV, ROWS16, NT>(st + C::V_OFF, sm, ti, dbase, g, t, o);
     }
     __syncthreads();  // every warp is done with stage j's buffer and the codes
-    if (j + 2 < nstages) issue(j + 2, ids_next);
+    if (j + 2 < w.nstages) ld.issue(j + 2, ids_next);
     else cp_async_commit();  // an empty group keeps wait_group<1> counting stages
-    load_ids(j + 3, ids_next);
+    ld.load_ids(j + 3, ids_next);
   }
   cp_async_wait<0>();
-  // Row sums: reduce each row's per-thread partial l (NCHUNK consecutive threads, whole warps).
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    float v = lacc[pass];
-#pragma unroll
-    for (int off = kRowLanes / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    const int r = pass * (kThreads / NCHUNK) + tid / NCHUNK;
-    if (tid % kRowLanes == 0 && r < kRows) red_sum[((tid % NCHUNK) / 32) * kRows + r] = v;
-  }
-  __syncthreads();
-  if (tid < kRows) {
-    float l = 0.0f;
-#pragma unroll
-    for (int i = 0; i < (NCHUNK + 31) / 32; ++i) l += red_sum[i * kRows + tid];
-    row_l[tid] = tid < rows_used ? l : 0.0f;
-  }
-  __syncthreads();
-  const float* m_final = row_m + (nstages & 1) * kRows;
-
-  // ---- write O / l (and m, l for the merge when the keys were split) ----
-#pragma unroll
-  for (int ri = 0; ri < kRi; ++ri) {
-    if (qtok[ri] < 0) continue;
-    const int r = g + 8 * ri;
-    const float l = row_l[r];
-    // One split: the sink joins the denominator here; several: in the merge kernel.
-    const float den = ts.nsplit == 1 ? add_sink(l, m_final[r], p.head_sink, qhead[ri], p.status) : l;
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    const int64_t row = static_cast<int64_t>(qtok[ri]) * Hq + qhead[ri];
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn) {
-      const int d = dbase + 8 * jn + 2 * t;
-      const float v0 = o[jn][2 * ri] * inv, v1 = o[jn][2 * ri + 1] * inv;
-      if (ts.nsplit == 1) {
-        store_out2(p, row, d, v0, v1);
-      } else {
-        float* ws = static_cast<float*>(p.workspace);
-        *reinterpret_cast<float2*>(ws + (row * ts.nsplit + w.split) * D + d) = make_float2(v0, v1);
-      }
-    }
-    if (ts.nsplit > 1 && warp == 0 && t == 0) {
-      float2* ml = reinterpret_cast<float2*>(static_cast<float*>(p.workspace) +
-                                             static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
-      ml[row * ts.nsplit + w.split] = make_float2(m_final[r], l);
-    }
-  }
+  general_row_sums<kThreads, NCHUNK, kPasses>(sm, lacc, tid, w.rows_used);
+  general_write_out<D, kRi, NT>(p, ts, w.split, sm, sm.row_m + (w.nstages & 1) * kRows, qtok, qhead, o, dbase, warp,
+                                g, t);
 }
 
 // ---- decode with warp-independent key ranges ----
@@ -619,369 +706,354 @@ struct WarpShape {
 static_assert(WCfg<128, 4, 2>::MIN_BLOCKS == 3 && WCfg<64, 4, 3>::MIN_BLOCKS == 3 && WCfg<32, 4, 3>::MIN_BLOCKS == 3,
               "three warp-decode CTAs per SM");
 
-// Named barrier of warps 2p and 2p+1 (ids 1 and 2 as immediates: a register id makes ptxas
-// reserve all 16).
+// Named barrier of warps 2p and 2p+1 (ids 1 and 2 as immediates: ptx::named_barrier_sync).
 __device__ __forceinline__ void pair_barrier(int warp) {
   if (warp < 2)
-    asm volatile("bar.sync 1, 64;\n" ::: "memory");
+    ptx::named_barrier_sync<1, 64>();
   else
-    asm volatile("bar.sync 2, 64;\n" ::: "memory");
+    ptx::named_barrier_sync<2, 64>();
 }
-template <int D, PvQuant PV, int DW_, int NS_, bool VROWS>
-__global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>::MIN_BLOCKS)
-    decode_warp_kernel(PagedAttentionParams p, TileShape ts) {
-  using C = WCfg<D, DW_, NS_>;
-  constexpr int DW = C::DW;
-  constexpr int NS = C::NS;
-  constexpr int QW = D / 16;                 // words of a row's d slice per lane
-  constexpr int NKC = 32 * D / 16 / 32;      // 16-byte K chunks per lane per stage
-  constexpr int NVC = D * 2 / 32;            // 16-byte V chunks per lane per stage
-  constexpr int KPR = D / 16;                // 16-byte chunks of one K row
-  constexpr bool kF16 = PV == PvQuant::kNone;
-  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
-  static_assert(NKC % 2 == 0 && 32 % KPR == 0, "stage shape");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as a programmatic dependent of the stream's previous kernel (sm_90; launch_warp):
-  // resident while that kernel (QuantizeKVCache, writing this step's keys) finishes, it waits here,
-  // before its first global read, for that grid's writes. A no-op when launched normally.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
 
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int Hq = p.num_heads, Hkv = p.num_kv_heads, B = p.block_size;
-  const int G = Hq / Hkv;
-  unsigned char* ring = smem + warp * C::RING;
-  // VROWS: warps 2p and 2p+1 share NS pair slots in their two rings: V [D][64] first, then the two
-  // warps' K rows and scales. Row d of V keeps its two 32-key halves swapped when bit 1 of d is
-  // set, so that the 8-byte B reads of a half-warp (rows g = 0..3, one half) hit distinct banks;
-  // a 128-byte global line (rows d, d+1, d even) still lands in 128 contiguous bytes.
-  constexpr int PST = 2 * C::STAGE;
-  constexpr int PK_OFF = D * 64;
-  constexpr int PS_OFF = PK_OFF + 2 * 32 * C::KS;
-  static_assert(PS_OFF + 2 * 256 <= PST && (!VROWS || DW == 4), "pair slot; pairs are warps 0-1 and 2-3");
-  const int half = warp & 1;
-  unsigned char* sbase_ptr = VROWS ? smem + (warp >> 1) * 2 * C::RING : ring;
-  constexpr int SST = VROWS ? PST : C::STAGE;  // slot stride
-  const int kof = VROWS ? PK_OFF + half * 32 * C::KS : C::K_OFF;
-  const int sof = VROWS ? PS_OFF + half * 256 : C::SK_OFF;  // V scales at sof + 128
-  float* wm = reinterpret_cast<float*>(smem + C::MISC);
-  float* wl = wm + DW * 8;
-  float* row_m = wl + DW * 8;
-  float* row_l = row_m + 8;
+// Pair 0 has one more 64-key stage than pair 1 when the split's count is odd. Pair 1 passes as
+// many pair barriers anyway, so that every warp reaches the merge's __syncthreads having passed
+// the same number of barriers: compute-sanitizer's racecheck orders shared-memory accesses by
+// that count, and without this reports the wm / wl writes and reads of the merge as hazards
+// between warps of different pairs (the hardware needs no such padding).
+template <int DW>
+__device__ __forceinline__ void pair_barrier_padding(int nst64, int nwp, int warp) {
+  const int nwp_pair0 = nst64 > 0 ? (nst64 + DW / 2 - 1) / (DW / 2) : 0;
+  for (int i = nwp; i < nwp_pair0; ++i) pair_barrier(warp);
+}
 
+// The CTA's work: (sequence, kv head, split) and the split's first key. With a window the query
+// (position seq_len - 1) sees keys from k_first on, and the splits start at its aligned start
+// (64 for VROWS's 64-key stages, in k_first's block since B >= 64): so seq_len is loaded here,
+// before the block ids. Without, k_first = 0 and seq_len follows them.
+struct WdWork {
+  int s, h, split, partition;
+  int k_first, k_base, k_lo;
+  int k_max;  // the split's keys end here if seq_len allows
+};
+
+template <bool VROWS>
+__device__ __forceinline__ void warp_decode_work(const PagedAttentionParams& p, const TileShape& ts, int Hkv, int B,
+                                                 WdWork& w) {
   int64_t idx = blockIdx.x;
-  const int split = static_cast<int>(idx % ts.nsplit);
+  w.split = static_cast<int>(idx % ts.nsplit);
   idx /= ts.nsplit;
-  const int h = static_cast<int>(idx % Hkv);
-  const int s = static_cast<int>(idx / Hkv);
-  const int partition = p.partition_size;
-  // With a window the query (position seq_len - 1) sees keys from k_first on, and the splits start
-  // at its aligned start (64 for VROWS's 64-key stages, in k_first's block since B >= 64): so
-  // seq_len is loaded before the block ids. Without, k_first = 0 and seq_len follows them.
-  const int k_first = p.window > 0 ? window_first(static_cast<int64_t>(p.seq_lens[s]) - 1, p.window) : 0;
-  const int k_base = k_first & ~(VROWS ? 63 : 31);
-  const int k_lo = k_base + split * ts.ppc * partition;
-  const int k_max = min(k_lo + ts.ppc * partition, p.max_blocks * B);  // the split's keys if seq_len allows
+  w.h = static_cast<int>(idx % Hkv);
+  w.s = static_cast<int>(idx / Hkv);
+  w.partition = p.partition_size;
+  w.k_first = p.window > 0 ? window_first(static_cast<int64_t>(p.seq_lens[w.s]) - 1, p.window) : 0;
+  w.k_base = w.k_first & ~(VROWS ? 63 : 31);
+  w.k_lo = w.k_base + w.split * ts.ppc * w.partition;
+  w.k_max = min(w.k_lo + ts.ppc * w.partition, p.max_blocks * B);
+}
 
-  // This warp's stages: every DW-th 32-key stage of the split. (Giving a warp pairs of consecutive
-  // stages, both halves of a 64-key block's V rows, measured no faster.)
-  auto kp0_of = [&](int li) { return k_lo + 32 * (warp + DW * li); };
-  // VROWS: warps 2p and 2p+1 share 64-key stage p + (DW / 2) li (so each still owns its kp0_of).
-  auto kpp_of = [&](int li) { return k_lo + 64 * ((warp >> 1) + (DW / 2) * li); };
-  // Block ids: loaded raw (no check) NS stages ahead of use; the first NS before seq_len is known,
-  // so that those loads and the seq_lens load are in flight together (decode at batch 1 is a
-  // chain of dependent loads); checked where the stage is issued.
-  const int32_t* bt = p.block_tables + static_cast<int64_t>(s) * p.max_blocks;
-  const int lb = p.log2_block_size;
-  auto raw_ids = [&](int li, int& r0, int& r1) {
-    const int kp0 = VROWS ? kpp_of(li) : kp0_of(li);
-    // B 16: keys kp0..kp0+15 may lie in a block wholly before the window (its entry is not read).
-    r0 = kp0 < k_max && (B >= 32 || kp0 + 16 > k_first) ? bt[kp0 >> lb] : -1;
-    r1 = B >= 32 ? r0 : (kp0 + 16 < k_max ? bt[(kp0 + 16) >> lb] : -1);
-  };
-  int rid0[NS], rid1[NS];
-#pragma unroll
-  for (int li = 0; li < NS; ++li) raw_ids(li, rid0[li], rid1[li]);
-
-  const int seq_len = p.seq_lens[s];
-  if (seq_len < 1 || seq_len > p.max_blocks * B || seq_len - k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * partition) {
-    if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
-    return;
-  }
-  // The query row of sequence s: s itself without cu_seqlens_q; with it (decode_with_cu), the
-  // sequence's first row if it has exactly one, else the launch must be redone (status bit).
-  int qrow = s;
+// The query row of sequence s: s itself without cu_seqlens_q; with it (decode_with_cu), the
+// sequence's first row if it has exactly one, else the launch must be redone (status bit).
+// Returns false (status flagged by thread 0) when there is no such row.
+__device__ __forceinline__ bool warp_decode_query_row(const PagedAttentionParams& p, int s, int tid, int& qrow) {
+  qrow = s;
   if (p.cu_seqlens_q != nullptr) {
     const int q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1];
     if (q0 < 0 || q1 < q0 || q1 > p.num_tokens || (s == 0 && q0 != 0) || (s == p.num_seqs - 1 && q1 != p.num_tokens)) {
       if (tid == 0) atomicOr(p.status, kPaCuSeqlensBad);
-      return;
+      return false;
     }
     if (q1 - q0 != 1) {
       if (tid == 0) atomicOr(p.status, kPaNotOneQueryEach);
-      return;
+      return false;
     }
     qrow = q0;
   }
-  const int k_hi = min(k_lo + ts.ppc * partition, seq_len);
-  const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
-  const int nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;  // this warp's stages
-  const int nst64 = (k_hi - k_lo + 63) / 64;
-  const int nwp = VROWS ? (nst64 > (warp >> 1) ? (nst64 - (warp >> 1) + DW / 2 - 1) / (DW / 2) : 0) : nw;
+  return true;
+}
 
-  // ---- stage loads: data NS-1 stages ahead (cp.async) ----
-  // Per-lane source offsets and shared-memory destinations are fixed for the whole loop; a stage
-  // only adds its block's base (one 64-bit multiply per half) and the key offset in the block, so
-  // that the chunks of a half are one base plus immediate offsets. A half whose block is not
-  // valid reads block 0 with source size 0 (zero fill, nothing read). Keeping the per-stage
-  // address arithmetic this small matters: with few warps per scheduler the loop is bound by its
-  // own instruction latency, not by memory, once it issues more than a few hundred instructions
-  // a stage.
-  const int blk_stride = Hkv * B * D;  // bytes per cache block (K or V): one block's K fits an int
-  const int kkey = lane / KPR, kpart = lane % KPR;  // K chunk i: key kkey + (32 / KPR) i
-  const int vd = lane >> 1, vhalf = lane & 1;       // V chunk i: row vd + 16 i, keys 16 vhalf ..
-  const int8_t* k_lane = p.key_cache + static_cast<int64_t>(h) * B * D + kkey * D + kpart * 16;
-  const int8_t* v_lane = p.value_cache + (static_cast<int64_t>(h) * D + vd) * B;
-  const unsigned k_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + kof + kkey * C::KS + kpart * 16;
-  const unsigned v_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + C::V_OFF + vd * 32 + 16 * vhalf;
-  const int s_key = 4 * (lane & 7);  // scale chunk (lane < 16): keys s_key .. s_key + 3
-  const float* s_lane = (lane >= 8 ? p.value_scale : p.key_scale) + static_cast<int64_t>(h) * B + (s_key & 15);
-  const unsigned s_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + sof + (lane >= 8 ? 128 : 0) + s_key * 4;
-  const int vstep = 16 * B;
-  // VROWS V copies: lane (vr, vq) = (lane >> 2, lane & 3) copies bytes 16 vq .. 16 vq + 15 of rows
-  // d = half * D / 2 + vr + 8 i of the pair stage's V [D][64] (keys 0..31 are warp 2p's, 32..63
-  // warp 2p+1's), so that one instruction copies 8 whole 64-byte rows into 512 contiguous bytes.
-  const int vr = lane >> 2, vq = lane & 3;
-  const int8_t* vr_lane = p.value_cache + (static_cast<int64_t>(h) * D + half * (D / 2) + vr) * B + 16 * vq;
-  const unsigned vr_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + (half * (D / 2) + vr) * 64 +
-                          32 * ((vq >> 1) ^ ((vr >> 1) & 1)) + 16 * (vq & 1);
-  auto issue = [&](int li, int slot, int r0, int r1) {
-    if (VROWS) {
-      if (li < nwp) {
-        const unsigned so = slot * PST;
-        const int kpp = kpp_of(li);
-        const bool okb = static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
-        if (!okb) atomicOr(p.status, kPaBlockOutOfRange);  // li < nwp: the pair stage has live keys
-        const int b = okb ? r0 : 0;
-        const int8_t* vb = vr_lane + static_cast<int64_t>(b) * blk_stride + (kpp & (B - 1));
+// Shared-memory places of one warp: its ring, and with VROWS the pair slots it shares with its
+// partner. VROWS: warps 2p and 2p+1 share NS pair slots in their two rings: V [D][64] first,
+// then the two warps' K rows and scales. Row d of V keeps its two 32-key halves swapped when
+// bit 1 of d is set, so that the 8-byte B reads of a half-warp (rows g = 0..3, one half) hit
+// distinct banks; a 128-byte global line (rows d, d+1, d even) still lands in 128 contiguous bytes.
+template <int D, int DW, int NS, bool VROWS>
+struct WdSlots {
+  using C = WCfg<D, DW, NS>;
+  static constexpr int PST = 2 * C::STAGE;  // pair slot
+  static constexpr int PK_OFF = D * 64;
+  static constexpr int PS_OFF = PK_OFF + 2 * 32 * C::KS;
+  static_assert(PS_OFF + 2 * 256 <= PST && (!VROWS || DW == 4), "pair slot; pairs are warps 0-1 and 2-3");
+  static constexpr int SST = VROWS ? PST : C::STAGE;  // slot stride
+  static constexpr int VRS = VROWS ? 64 : 32;         // V row stride in the slot
+};
+
+// Raw block ids of this warp's stages (every DW-th 32-key stage of the split; VROWS: warps 2p and
+// 2p+1 share 64-key stage p + (DW / 2) li, so each still owns its kp0_of). Loaded without a check
+// NS stages ahead of use, the first NS before seq_len is known, so that those loads and the
+// seq_lens load are in flight together (decode at batch 1 is a chain of dependent loads); checked
+// where the stage is issued.
+template <int DW, bool VROWS>
+struct WdIds {
+  const int32_t* bt;
+  int lb, B, k_lo, k_max, k_first, warp;
+  __device__ __forceinline__ int kp0_of(int li) const { return k_lo + 32 * (warp + DW * li); }
+  __device__ __forceinline__ int kpp_of(int li) const { return k_lo + 64 * ((warp >> 1) + (DW / 2) * li); }
+  __device__ __forceinline__ void raw_ids(int li, int& r0, int& r1) const {
+    const int kp0 = VROWS ? kpp_of(li) : kp0_of(li);
+    // B 16: keys kp0..kp0+15 may lie in a block wholly before the window (its entry is not read).
+    r0 = kp0 < k_max && (B >= 32 || kp0 + 16 > k_first) ? bt[kp0 >> lb] : -1;
+    r1 = B >= 32 ? r0 : (kp0 + 16 < k_max ? bt[(kp0 + 16) >> lb] : -1);
+  }
+};
+
+// The split's keys end at k_hi (seq_len known): this warp's stages nw (every DW-th 32-key stage)
+// and, VROWS, nwp (the pair stages it copies V rows for). Returns the split's 64-key stage count.
+template <int DW, bool VROWS>
+__device__ __forceinline__ int warp_stages(int k_hi, int k_lo, int warp, int& nw, int& nwp) {
+  const int nst = k_hi > k_lo ? (k_hi - k_lo + 31) / 32 : 0;
+  nw = nst > warp ? (nst - warp + DW - 1) / DW : 0;
+  const int nst64 = (k_hi - k_lo + 63) / 64;
+  nwp = VROWS ? (nst64 > (warp >> 1) ? (nst64 - (warp >> 1) + DW / 2 - 1) / (DW / 2) : 0) : nw;
+  return nst64;
+}
+
+// ---- stage copies: data NS-1 stages ahead (cp.async) ----
+// Per-lane source offsets and shared-memory destinations are fixed for the whole loop; a stage
+// only adds its block's base (one 64-bit multiply per half) and the key offset in the block, so
+// that the chunks of a half are one base plus immediate offsets. A half whose block is not
+// valid reads block 0 with source size 0 (zero fill, nothing read). The per-stage address
+// arithmetic must stay this small: with few warps per scheduler the loop is bound by its own
+// instruction latency, not by memory, once it issues more than a few hundred instructions a stage.
+template <int D, int DW, int NS, bool VROWS>
+struct WdLoader {
+  using C = WCfg<D, DW, NS>;
+  using S = WdSlots<D, DW, NS, VROWS>;
+  static constexpr int NKC = 32 * D / 16 / 32;  // 16-byte K chunks per lane per stage
+  static constexpr int NVC = D * 2 / 32;        // 16-byte V chunks per lane per stage
+  static constexpr int KPR = D / 16;            // 16-byte chunks of one K row
+  static_assert(NKC % 2 == 0 && 32 % KPR == 0, "stage shape");
+
+  const PagedAttentionParams& p;
+  const WdIds<DW, VROWS>& ids;
+  int lane, k_hi, nw, nwp;  // the split's keys end at k_hi; this warp's stages (nwp: pair stages, VROWS)
+  int half, Hkv, B, k_first, blk_stride, vstep, s_key;
+  const int8_t *k_lane, *v_lane, *vr_lane;
+  const float* s_lane;
+  unsigned k_dst, v_dst, s_dst, vr_dst;
+
+  __device__ __forceinline__ WdLoader(const PagedAttentionParams& p_, const WdIds<DW, VROWS>& ids_, int Hkv_, int B_,
+                                      int k_hi_, int nw_, int nwp_, int h, int warp, int lane_, unsigned char* ring,
+                                      unsigned char* sbase_ptr, int kof, int sof)
+      : p(p_), ids(ids_), lane(lane_), k_hi(k_hi_), nw(nw_), nwp(nwp_) {
+    Hkv = Hkv_;
+    B = B_;
+    half = warp & 1;
+    k_first = ids.k_first;
+    blk_stride = Hkv * B * D;  // bytes per cache block (K or V): one block's K fits an int
+    const int kkey = lane / KPR, kpart = lane % KPR;  // K chunk i: key kkey + (32 / KPR) i
+    const int vd = lane >> 1, vhalf = lane & 1;       // V chunk i: row vd + 16 i, keys 16 vhalf ..
+    k_lane = p.key_cache + static_cast<int64_t>(h) * B * D + kkey * D + kpart * 16;
+    v_lane = p.value_cache + (static_cast<int64_t>(h) * D + vd) * B;
+    k_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + kof + kkey * C::KS + kpart * 16;
+    v_dst = static_cast<unsigned>(__cvta_generic_to_shared(ring)) + C::V_OFF + vd * 32 + 16 * vhalf;
+    s_key = 4 * (lane & 7);  // scale chunk (lane < 16): keys s_key .. s_key + 3
+    s_lane = (lane >= 8 ? p.value_scale : p.key_scale) + static_cast<int64_t>(h) * B + (s_key & 15);
+    s_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + sof + (lane >= 8 ? 128 : 0) + s_key * 4;
+    vstep = 16 * B;
+    // VROWS V copies: lane (vr, vq) = (lane >> 2, lane & 3) copies bytes 16 vq .. 16 vq + 15 of
+    // rows d = half * D / 2 + vr + 8 i of the pair stage's V [D][64] (keys 0..31 are warp 2p's,
+    // 32..63 warp 2p+1's), so that one instruction copies 8 whole 64-byte rows into 512
+    // contiguous bytes.
+    const int vr = lane >> 2, vq = lane & 3;
+    vr_lane = p.value_cache + (static_cast<int64_t>(h) * D + half * (D / 2) + vr) * B + 16 * vq;
+    vr_dst = static_cast<unsigned>(__cvta_generic_to_shared(sbase_ptr)) + (half * (D / 2) + vr) * 64 +
+             32 * ((vq >> 1) ^ ((vr >> 1) & 1)) + 16 * (vq & 1);
+  }
+
+  // A pair stage (VROWS): this warp's half of the V rows of 64 keys, and its own 32 keys' K rows
+  // and scales.
+  __device__ __forceinline__ void issue_pair(int li, int slot, int r0) const {
+    const unsigned so = slot * S::PST;
+    const int kpp = ids.kpp_of(li);
+    const bool okb = static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
+    if (!okb) atomicOr(p.status, kPaBlockOutOfRange);  // li < nwp: the pair stage has live keys
+    const int b = okb ? r0 : 0;
+    const int8_t* vb = vr_lane + static_cast<int64_t>(b) * blk_stride + (kpp & (B - 1));
 #pragma unroll
-        for (int i = 0; i < NVC; ++i) cp_async16_s(vr_dst + so + 8 * i * 64, vb + i * (8 * B), okb);
-        if (li < nw) {
-          const int kp0 = kpp + 32 * half;
-          const bool ok1 = okb && kp0 + 16 < k_hi;
-          const int pos0 = kp0 & (B - 1);
-          const int8_t* kb0 = k_lane + static_cast<int64_t>(b) * blk_stride + pos0 * D;
+    for (int i = 0; i < NVC; ++i) cp_async16_s(vr_dst + so + 8 * i * 64, vb + i * (8 * B), okb);
+    if (li < nw) {
+      const int kp0 = kpp + 32 * half;
+      const bool ok1 = okb && kp0 + 16 < k_hi;
+      const int pos0 = kp0 & (B - 1);
+      const int8_t* kb0 = k_lane + static_cast<int64_t>(b) * blk_stride + pos0 * D;
 #pragma unroll
-          for (int i = 0; i < NKC / 2; ++i)
-            cp_async16_s(k_dst + so + (32 / KPR) * i * C::KS, kb0 + (32 / KPR) * i * D, okb);
-#pragma unroll
-          for (int i = 0; i < NKC / 2; ++i)
-            cp_async16_s(k_dst + so + (16 + (32 / KPR) * i) * C::KS, kb0 + (16 + (32 / KPR) * i) * D, ok1);
-          if (lane < 16) {
-            const bool hi = s_key >= 16;
-            const float* src = s_lane + static_cast<int64_t>(b) * (Hkv * B) + pos0 + (hi ? 16 : 0);
-            cp_async16_s(s_dst + so, src, hi ? ok1 : okb);
-          }
-        }
-      }
-    } else if (li < nw) {
-      const unsigned so = slot * C::STAGE;
-      const int kp0 = kp0_of(li);
-      const bool hi_live = kp0 + 16 < k_hi;  // the stage's keys 16..31 exist
-      const bool lo_live = B >= 32 || kp0 + 16 > k_first;  // keys 0..15 not in a block wholly before the window
-      const int r1b = B >= 32 ? r0 : r1;    // B >= 32: both halves in one block
-      const bool ok0 = lo_live && static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
-      const bool ok1 = hi_live && static_cast<unsigned>(r1b) < static_cast<unsigned>(p.num_blocks);
-      if ((lo_live && !ok0) || (hi_live && !ok1)) atomicOr(p.status, kPaBlockOutOfRange);
-      const int b0 = ok0 ? r0 : 0, b1 = ok1 ? r1b : 0;
-      const int pos0 = kp0 & (B - 1), pos1 = (kp0 + 16) & (B - 1);
-      const int8_t* kb0 = k_lane + static_cast<int64_t>(b0) * blk_stride + pos0 * D;
-      const int8_t* kb1 = k_lane + static_cast<int64_t>(b1) * blk_stride + pos1 * D;
-#pragma unroll
-      for (int i = 0; i < NKC / 2; ++i) cp_async16_s(k_dst + so + (32 / KPR) * i * C::KS, kb0 + (32 / KPR) * i * D, ok0);
+      for (int i = 0; i < NKC / 2; ++i) cp_async16_s(k_dst + so + (32 / KPR) * i * C::KS, kb0 + (32 / KPR) * i * D, okb);
 #pragma unroll
       for (int i = 0; i < NKC / 2; ++i)
-        cp_async16_s(k_dst + so + (16 + (32 / KPR) * i) * C::KS, kb1 + (32 / KPR) * i * D, ok1);
-      {
-        const bool okv = vhalf ? ok1 : ok0;
-        const int8_t* vb = v_lane + static_cast<int64_t>(vhalf ? b1 : b0) * blk_stride + (vhalf ? pos1 : pos0);
-#pragma unroll
-        for (int i = 0; i < NVC; ++i) cp_async16_s(v_dst + so + 16 * i * 32, vb + i * vstep, okv);
-      }
+        cp_async16_s(k_dst + so + (16 + (32 / KPR) * i) * C::KS, kb0 + (16 + (32 / KPR) * i) * D, ok1);
       if (lane < 16) {
         const bool hi = s_key >= 16;
-        const bool oks = hi ? ok1 : ok0;
-        const float* src = s_lane + static_cast<int64_t>(hi ? b1 : b0) * (Hkv * B) + (hi ? pos1 : pos0);
-        cp_async16_s(s_dst + so, src, oks);
+        const float* src = s_lane + static_cast<int64_t>(b) * (Hkv * B) + pos0 + (hi ? 16 : 0);
+        cp_async16_s(s_dst + so, src, hi ? ok1 : okb);
       }
     }
-    cp_async_commit();  // empty past the warp's stages: wait_group keeps counting stages
-  };
-
-#pragma unroll
-  for (int li = 0; li < NS - 1; ++li) issue(li, li, rid0[li], rid1[li]);
-  int nb0 = rid0[NS - 1], nb1 = rid1[NS - 1];  // raw ids of the next stage to issue
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The merge may launch (it waits). Without a merge the next kernel is another op's (the next
-  // layer's): it launches when this grid is done, not resident beside it for the whole kernel.
-  if (ts.nsplit > 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-
-  // ---- Q: this lane's d slice of head g (bit-exact with quantize_rows) ----
-  const bool row_ok = g < G;
-  const int head = h * G + g;
-  uint32_t qa[QW];
-  float sq;
-  if (!quantize_q_slice<D>(p, row_ok ? qrow : -1, head, t, qa, sq) && warp == 0) atomicOr(p.status, kPaQueryNonFinite);
-
-  float o[D / 8][2];
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = 0.0f;
-  float m_run = kNegInf, l_run = 0.0f;  // per row g; O and l are relative to exp(m_run)
-  const float scale = p.scale;
-  // Row of n-tile j's B fragment this lane reads: key 8 (g >> 1) + 2j + (g & 1).
-  const int krow0 = 8 * (g >> 1) + (g & 1);
-
-  int wslot = NS - 1, rslot = 0;  // ring slots of the stage issued / consumed this iteration
-  // VROWS: a pair slot is refilled only when both warps are done with it, so the refill follows
-  // the barrier that also makes the partner's copies of stage i visible.
-  const int v_lane_off = VROWS ? 32 * (half ^ ((g >> 1) & 1)) + 8 * t : 8 * t;
-  constexpr int VRS = VROWS ? 64 : 32;  // V row stride in the slot
-  for (int i = 0; i < nwp; ++i) {
-    if constexpr (VROWS) {
-      cp_async_wait<NS - 2>();  // this warp's part of stage i has landed
-      pair_barrier(warp);       // the partner's too, and both are done with stage i - 1's slot
-      issue(i + NS - 1, wslot, nb0, nb1);
-      wslot = wslot == NS - 1 ? 0 : wslot + 1;
-      raw_ids(i + NS, nb0, nb1);
-    } else {
-      issue(i + NS - 1, wslot, nb0, nb1);
-      wslot = wslot == NS - 1 ? 0 : wslot + 1;
-      raw_ids(i + NS, nb0, nb1);
-      cp_async_wait<NS - 1>();  // stage i has landed
-      __syncwarp();
-    }
-    const unsigned char* st = sbase_ptr + rslot * SST;
-    rslot = rslot == NS - 1 ? 0 : rslot + 1;
-    if (VROWS && i >= nw) continue;  // the partner's last stage: this warp only copied V rows
-    const int kp0 = kp0_of(i);
-    const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
-
-    // ---- Q.K: lane (g, t) gets keys 8t .. 8t+7 of head g ----
-    int acc[4][4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t kw[QW];
-      load_k_slice<D>(st + kof + (krow0 + 2 * j) * C::KS + t * (D / 4), kw);
-      acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) mma_i8<false>(acc[j], qa[2 * c], 0u, qa[2 * c + 1], 0u, kw[2 * c], kw[2 * c + 1]);
-    }
-    const float4 sk0 = *reinterpret_cast<const float4*>(st + sof + 32 * t);
-    const float4 sk1 = *reinterpret_cast<const float4*>(st + sof + 32 * t + 16);
-    const float4 sv0 = *reinterpret_cast<const float4*>(st + sof + 128 + 32 * t);
-    const float4 sv1 = *reinterpret_cast<const float4*>(st + sof + 128 + 32 * t + 16);
-    const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
-    const float svv[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
-    // Scores bit-identical to the reference's (same int32 dot, same float32 multiplies).
-    const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with lo_t <= k < lim_t are visible
-    const int lo_t = k_first - kp0 - 8 * t;
-    float sc[8];
-    float mp = kNegInf;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      sc[k] = k < lim_t && k >= lo_t
-                  ? apply_softcap(((static_cast<float>(acc[k >> 1][k & 1]) * sq) * skv[k]) * scale, p.softcap)
-                  : kNegInf;
-      mp = fmaxf(mp, sc[k]);
-    }
-    mp = warp_max4(mp);
-    // Lazy rescaling: the reference max m_run (of O and l) moves only when some row's stage max
-    // passes it by more than kLazyRescale (then O and l are rescaled, as in the plain online
-    // softmax); otherwise the stage's weights carry beta = exp(mp - m_run) <= e^kLazyRescale and
-    // O is not touched. The codes do not depend on it (each group is quantized against its own
-    // max, e = exp(s - mp)).
-    if (__any_sync(0xffffffffu, mp > m_run + kLazyRescale)) {
-      const float mn = fmaxf(m_run, mp);
-      const float alpha = m_run == kNegInf ? 0.0f : fast_exp(m_run - mn);
-      m_run = mn;
-      l_run *= alpha;
-#pragma unroll
-      for (int jn = 0; jn < D / 8; ++jn) {
-        o[jn][0] *= alpha;
-        o[jn][1] *= alpha;
-      }
-    }
-    const float beta = mp == kNegInf ? 0.0f : fast_exp(mp - m_run);
-    float wv[8];
-    float esum = 0.0f, gmax = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const bool ok = k < lim_t && k >= lo_t;
-      const float e = ok ? fast_exp(sc[k] - mp) : 0.0f;  // ex2.approx: a few ulp, W codes tolerate it
-      esum += e;
-      wv[k] = ok ? e * svv[k] : 0.0f;
-      gmax = fmaxf(gmax, wv[k]);
-    }
-    gmax = warp_max4(gmax);
-    l_run = fmaf(beta, esum, l_run);
-
-    // ---- P.V: codes of keys 8t..8t+7 are this lane's A slots; V row d read as 8 bytes ----
-    const unsigned char* v_sm = st + (VROWS ? 0 : C::V_OFF) + v_lane_off;
-    if constexpr (kF16) {
-      uint32_t a[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const __half2 hv = __floats2half2_rn(gmax > 0.0f ? __fdiv_rn(wv[2 * k], gmax) : 0.0f,
-                                             gmax > 0.0f ? __fdiv_rn(wv[2 * k + 1], gmax) : 0.0f);
-        a[k] = *reinterpret_cast<const uint32_t*>(&hv);
-      }
-      const float gs = gmax * beta;
-#pragma unroll
-      for (int jn = 0; jn < D / 8; ++jn) {
-        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * VRS);
-        uint32_t h0, h1, h2, h3;
-        s8x4_to_half2x2(x.x, h0, h1);
-        s8x4_to_half2x2(x.y, h2, h3);
-        float pacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_f16(pacc, a[0], 0u, a[1], 0u, h0, h1);  // keys 8t..8t+3
-        mma_f16(pacc, a[2], 0u, a[3], 0u, h2, h3);  // keys 8t+4..8t+7
-        o[jn][0] = fmaf(gs, pacc[0], o[jn][0]);
-        o[jn][1] = fmaf(gs, pacc[1], o[jn][1]);
-      }
-    } else {
-      const float inv = code_inverse(gmax, kLevels);
-      uint32_t pk[2] = {0u, 0u};
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float q = fminf(rintf(__fmul_rn(wv[k], inv)), kLevels);
-        pk[k >> 2] |= (static_cast<uint32_t>(q) & 0xffu) << (8 * (k & 3));
-      }
-      const float gs = __fdiv_rn(gmax, kLevels) * beta;
-#pragma unroll
-      for (int jn = 0; jn < D / 8; ++jn) {
-        const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * VRS);
-        int pacc[4] = {0, 0, 0, 0};
-        mma_i8<PV == PvQuant::kU8>(pacc, pk[0], 0u, pk[1], 0u, x.x, x.y);
-        o[jn][0] = fmaf(gs, static_cast<float>(pacc[0]), o[jn][0]);
-        o[jn][1] = fmaf(gs, static_cast<float>(pacc[1]), o[jn][1]);
-      }
-    }
-    __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
   }
-  if constexpr (VROWS) {
-    // Pair 0 has one more 64-key stage than pair 1 when the split's count is odd. Pair 1 passes
-    // as many pair barriers anyway, so that every warp reaches the merge's __syncthreads having
-    // passed the same number of barriers: compute-sanitizer's racecheck orders shared-memory
-    // accesses by that count, and without this reports the wm / wl writes and reads below as
-    // hazards between warps of different pairs (the hardware needs no such padding).
-    const int nwp_pair0 = nst64 > 0 ? (nst64 + DW / 2 - 1) / (DW / 2) : 0;
-    for (int i = nwp; i < nwp_pair0; ++i) pair_barrier(warp);
-  }
-  cp_async_wait<0>();
 
-  // ---- merge the warps by log-sum-exp, then write O / l (and m, l for the split merge) ----
+  // A 32-key stage of this warp's own ring: two 16-key halves, each from its block.
+  __device__ __forceinline__ void issue_own(int li, int slot, int r0, int r1) const {
+    const unsigned so = slot * C::STAGE;
+    const int kp0 = ids.kp0_of(li);
+    const bool hi_live = kp0 + 16 < k_hi;                 // the stage's keys 16..31 exist
+    const bool lo_live = B >= 32 || kp0 + 16 > k_first;  // keys 0..15 not in a block wholly before the window
+    const int r1b = B >= 32 ? r0 : r1;                    // B >= 32: both halves in one block
+    const bool ok0 = lo_live && static_cast<unsigned>(r0) < static_cast<unsigned>(p.num_blocks);
+    const bool ok1 = hi_live && static_cast<unsigned>(r1b) < static_cast<unsigned>(p.num_blocks);
+    if ((lo_live && !ok0) || (hi_live && !ok1)) atomicOr(p.status, kPaBlockOutOfRange);
+    const int b0 = ok0 ? r0 : 0, b1 = ok1 ? r1b : 0;
+    const int pos0 = kp0 & (B - 1), pos1 = (kp0 + 16) & (B - 1);
+    const int8_t* kb0 = k_lane + static_cast<int64_t>(b0) * blk_stride + pos0 * D;
+    const int8_t* kb1 = k_lane + static_cast<int64_t>(b1) * blk_stride + pos1 * D;
+#pragma unroll
+    for (int i = 0; i < NKC / 2; ++i) cp_async16_s(k_dst + so + (32 / KPR) * i * C::KS, kb0 + (32 / KPR) * i * D, ok0);
+#pragma unroll
+    for (int i = 0; i < NKC / 2; ++i)
+      cp_async16_s(k_dst + so + (16 + (32 / KPR) * i) * C::KS, kb1 + (32 / KPR) * i * D, ok1);
+    {
+      const int vhalf = lane & 1;
+      const bool okv = vhalf ? ok1 : ok0;
+      const int8_t* vb = v_lane + static_cast<int64_t>(vhalf ? b1 : b0) * blk_stride + (vhalf ? pos1 : pos0);
+#pragma unroll
+      for (int i = 0; i < NVC; ++i) cp_async16_s(v_dst + so + 16 * i * 32, vb + i * vstep, okv);
+    }
+    if (lane < 16) {
+      const bool hi = s_key >= 16;
+      const bool oks = hi ? ok1 : ok0;
+      const float* src = s_lane + static_cast<int64_t>(hi ? b1 : b0) * (Hkv * B) + (hi ? pos1 : pos0);
+      cp_async16_s(s_dst + so, src, oks);
+    }
+  }
+
+  // Stage li into ring slot `slot`, then its commit group (empty past the warp's stages, so
+  // that wait_group keeps counting stages).
+  __device__ __forceinline__ void issue(int li, int slot, int r0, int r1) const {
+    if (VROWS) {
+      if (li < nwp) issue_pair(li, slot, r0);
+    } else if (li < nw) {
+      issue_own(li, slot, r0, r1);
+    }
+    cp_async_commit();
+  }
+};
+
+// ---- one 32-key stage of one warp: lane (g, t) holds keys 8t .. 8t+7 of head g ----
+// Q.K into sc (keys outside [lo_t, lim_t) relative to 8t are -inf), the row's stage max in mp
+// and the keys' V scales in svv. ks: the stage's K rows; ss: its K scales (V scales at +128).
+template <int D, int KS>
+__device__ __forceinline__ void warp_decode_scores(const unsigned char* ks, const unsigned char* ss, int krow0, int t,
+                                                   const uint32_t (&qa)[D / 16], float sq, int lim_t, int lo_t,
+                                                   float scale, float softcap, float (&sc)[8], float& mp,
+                                                   float (&svv)[8]) {
+  int acc[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t kw[D / 16];
+    load_k_slice<D>(ks + (krow0 + 2 * j) * KS + t * (D / 4), kw);
+    acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) mma_i8<false>(acc[j], qa[2 * c], 0u, qa[2 * c + 1], 0u, kw[2 * c], kw[2 * c + 1]);
+  }
+  const float4 sk0 = *reinterpret_cast<const float4*>(ss + 32 * t);
+  const float4 sk1 = *reinterpret_cast<const float4*>(ss + 32 * t + 16);
+  const float4 sv0 = *reinterpret_cast<const float4*>(ss + 128 + 32 * t);
+  const float4 sv1 = *reinterpret_cast<const float4*>(ss + 128 + 32 * t + 16);
+  const float skv[8] = {sk0.x, sk0.y, sk0.z, sk0.w, sk1.x, sk1.y, sk1.z, sk1.w};
+  const float svl[8] = {sv0.x, sv0.y, sv0.z, sv0.w, sv1.x, sv1.y, sv1.z, sv1.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) svv[k] = svl[k];
+  // Scores bit-identical to the reference's (same int32 dot, same float32 multiplies).
+  mp = kNegInf;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    sc[k] = k < lim_t && k >= lo_t ? qk_score(static_cast<float>(acc[k >> 1][k & 1]), sq, skv[k], scale, softcap)
+                                   : kNegInf;
+    mp = fmaxf(mp, sc[k]);
+  }
+  mp = warp_max4(mp);
+}
+
+// P.V of the stage (one W group) for row g: codes of keys 8t..8t+7 are this lane's A slots
+// (row g+8 of the MMA is zero); V row d read as 8 bytes at v_sm + d * VRS.
+template <int D, PvQuant PV, int VRS>
+__device__ __forceinline__ void warp_decode_pv(const float (&wv)[8], float gmax, float beta, const unsigned char* v_sm,
+                                               int g, float (&o)[D / 8][2]) {
+  constexpr float kLevels = PV == PvQuant::kU8 ? 255.0f : 127.0f;
+  if constexpr (PV == PvQuant::kNone) {
+    uint32_t a[4];
+    codes8_f16(wv, gmax, a);
+    const float gs = gmax * beta;
+#pragma unroll
+    for (int jn = 0; jn < D / 8; ++jn) {
+      const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * VRS);
+      float pacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      pv_f16_8keys(pacc, a[0], 0u, a[1], 0u, a[2], 0u, a[3], 0u, x.x, x.y);
+      o[jn][0] = fmaf(gs, pacc[0], o[jn][0]);
+      o[jn][1] = fmaf(gs, pacc[1], o[jn][1]);
+    }
+  } else {
+    const float inv = code_inverse(gmax, kLevels);
+    const uint32_t pk[2] = {codes4_rint(wv, inv, kLevels), codes4_rint(wv + 4, inv, kLevels)};
+    const float gs = __fdiv_rn(gmax, kLevels) * beta;
+#pragma unroll
+    for (int jn = 0; jn < D / 8; ++jn) {
+      const uint2 x = *reinterpret_cast<const uint2*>(v_sm + (8 * jn + g) * VRS);
+      int pacc[4] = {0, 0, 0, 0};
+      mma_i8<PV == PvQuant::kU8>(pacc, pk[0], 0u, pk[1], 0u, x.x, x.y);
+      o[jn][0] = fmaf(gs, static_cast<float>(pacc[0]), o[jn][0]);
+      o[jn][1] = fmaf(gs, static_cast<float>(pacc[1]), o[jn][1]);
+    }
+  }
+}
+
+// One stage: scores, lazy rescaling, weights, codes and P.V. Lazy rescaling: the reference max
+// m_run (of O and l) moves only when some row's stage max passes it by more than kLazyRescale
+// (then O and l are rescaled, as in the plain online softmax); otherwise the stage's weights
+// carry beta = exp(mp - m_run) <= e^kLazyRescale and O is not touched. The codes do not depend
+// on it (each group is quantized against its own max, e = exp(s - mp)).
+template <int D, PvQuant PV, int KS, int VRS>
+__device__ __forceinline__ void warp_decode_stage(const unsigned char* ks, const unsigned char* ss,
+                                                  const unsigned char* v_sm, int krow0, int g, int t,
+                                                  const uint32_t (&qa)[D / 16], float sq, int lim_t, int lo_t,
+                                                  float scale, float softcap, float (&o)[D / 8][2], float& m_run,
+                                                  float& l_run) {
+  float sc[8], svv[8], mp;
+  warp_decode_scores<D, KS>(ks, ss, krow0, t, qa, sq, lim_t, lo_t, scale, softcap, sc, mp, svv);
+  if (__any_sync(0xffffffffu, mp > m_run + kLazyRescale)) rescale_row(m_run, l_run, mp, o, 0);
+  const float beta = mp == kNegInf ? 0.0f : fast_exp(mp - m_run);
+  float wv[8];
+  float esum = 0.0f, gmax;
+  bool vis[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) vis[k] = k < lim_t && k >= lo_t;
+  group_weights8(sc, svv, 0, vis, mp, wv, esum, gmax);
+  gmax = warp_max4(gmax);
+  l_run = fmaf(beta, esum, l_run);
+  warp_decode_pv<D, PV, VRS>(wv, gmax, beta, v_sm, g, o);
+}
+
+// ---- merge the warps by log-sum-exp, then write O / l (and m, l for the split merge) ----
+// Each warp's O (scaled to the common max) goes to its own ring (free: all its copies landed);
+// the CTA then sums the DW slices per output element.
+template <int D, int DW, int NS>
+__device__ __forceinline__ void warp_decode_merge_out(const PagedAttentionParams& p, const TileShape& ts,
+                                                      unsigned char* smem, const WdWork& w, int qrow, int warp,
+                                                      int g, int t, const float (&o)[D / 8][2], float m_run,
+                                                      float l_run) {
+  using C = WCfg<D, DW, NS>;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int tid = threadIdx.x;
+  float* wm = reinterpret_cast<float*>(smem + C::MISC);
+  float* wl = wm + DW * 8;
+  float* row_m = wl + DW * 8;
+  float* row_l = row_m + 8;
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
   l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   if (t == 0) {
@@ -1000,13 +1072,13 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     if (l2 > 0.0f) L += l2 * fast_exp(wm[w2 * 8 + g] - M);
   }
   const float f = l_run > 0.0f ? fast_exp(m_run - M) : 0.0f;
-  float* ob = reinterpret_cast<float*>(ring);  // this warp's ring is free (all its copies landed)
+  float* ob = reinterpret_cast<float*>(smem + warp * C::RING);
 #pragma unroll
   for (int jn = 0; jn < D / 8; ++jn)
     *reinterpret_cast<float2*>(ob + g * C::OS + 8 * jn + 2 * t) = make_float2(f * o[jn][0], f * o[jn][1]);
   if (warp == 0 && t == 0) {
     row_m[g] = M;
-    row_l[g] = ts.nsplit == 1 && g < G ? add_sink(L, M, p.head_sink, h * G + g, p.status) : L;  // else: the merge adds it
+    row_l[g] = ts.nsplit == 1 && g < G ? add_sink(L, M, p.head_sink, w.h * G + g, p.status) : L;  // else: the merge adds it
   }
   __syncthreads();
   for (int e = tid; e < 8 * (D / 4); e += 32 * DW) {
@@ -1023,37 +1095,130 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
     }
     const float l = row_l[r];
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int64_t row = static_cast<int64_t>(qrow) * Hq + h * G + r;
+    const int64_t row = static_cast<int64_t>(qrow) * p.num_heads + w.h * G + r;
     const float4 v = make_float4(acc4.x * inv, acc4.y * inv, acc4.z * inv, acc4.w * inv);
     if (ts.nsplit == 1) {
       store_out2(p, row, d, v.x, v.y);
       store_out2(p, row, d + 2, v.z, v.w);
     } else {
       float* ws = static_cast<float*>(p.workspace);
-      *reinterpret_cast<float4*>(ws + (row * ts.nsplit + split) * D + d) = v;
-      if (d == 0) {
-        float2* ml = reinterpret_cast<float2*>(ws + static_cast<int64_t>(p.num_tokens) * Hq * ts.nsplit * D);
-        ml[row * ts.nsplit + split] = make_float2(row_m[r], l);
-      }
+      *reinterpret_cast<float4*>(ws + (row * ts.nsplit + w.split) * D + d) = v;
+      if (d == 0) store_split_ml<D>(p, row, ts.nsplit, w.split, row_m[r], l);
     }
   }
 }
 
+template <int D, PvQuant PV, int DW_, int NS_, bool VROWS>
+__global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>::MIN_BLOCKS)
+    decode_warp_kernel(PagedAttentionParams p, TileShape ts) {
+  using C = WCfg<D, DW_, NS_>;
+  using S = WdSlots<D, DW_, NS_, VROWS>;
+  constexpr int DW = C::DW;
+  constexpr int NS = C::NS;
+  // Launched as a programmatic dependent of the stream's previous kernel (sm_90; launch_warp):
+  // resident while that kernel (QuantizeKVCache, writing this step's keys) finishes, it waits here,
+  // before its first global read, for that grid's writes. A no-op when launched normally.
+  ptx::griddep_wait();
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int Hkv = p.num_kv_heads, B = p.block_size;
+  const int G = p.num_heads / Hkv;
+  unsigned char* ring = smem + warp * C::RING;
+  const int half = warp & 1;
+  unsigned char* sbase_ptr = VROWS ? smem + (warp >> 1) * 2 * C::RING : ring;
+  const int kof = VROWS ? S::PK_OFF + half * 32 * C::KS : C::K_OFF;
+  const int sof = VROWS ? S::PS_OFF + half * 256 : C::SK_OFF;  // V scales at sof + 128
+
+  WdWork w;
+  warp_decode_work<VROWS>(p, ts, Hkv, B, w);
+  const WdIds<DW, VROWS> ids{p.block_tables + static_cast<int64_t>(w.s) * p.max_blocks,
+                             p.log2_block_size, B, w.k_lo, w.k_max, w.k_first, warp};
+  int rid0[NS], rid1[NS];
+#pragma unroll
+  for (int li = 0; li < NS; ++li) ids.raw_ids(li, rid0[li], rid1[li]);
+
+  const int seq_len = p.seq_lens[w.s];
+  if (seq_len < 1 || seq_len > p.max_blocks * B ||
+      seq_len - w.k_base > static_cast<int64_t>(ts.nsplit) * ts.ppc * w.partition) {
+    if (tid == 0) atomicOr(p.status, kPaSeqLenOutOfRange);
+    return;
+  }
+  int qrow;
+  if (!warp_decode_query_row(p, w.s, tid, qrow)) return;
+  int nw, nwp;
+  const int k_hi = min(w.k_lo + ts.ppc * w.partition, seq_len);
+  const int nst64 = warp_stages<DW, VROWS>(k_hi, w.k_lo, warp, nw, nwp);
+  const WdLoader<D, DW, NS, VROWS> ld(p, ids, Hkv, B, k_hi, nw, nwp, w.h, warp, lane, ring, sbase_ptr, kof, sof);
+
+#pragma unroll
+  for (int li = 0; li < NS - 1; ++li) ld.issue(li, li, rid0[li], rid1[li]);
+  int nb0 = rid0[NS - 1], nb1 = rid1[NS - 1];  // raw ids of the next stage to issue
+  // The merge may launch (it waits). Without a merge the next kernel is another op's (the next
+  // layer's): it launches when this grid is done, not resident beside it for the whole kernel.
+  if (ts.nsplit > 1) ptx::griddep_launch_dependents();
+
+  // Q: this lane's d slice of head g (bit-exact with quantize_rows).
+  const bool row_ok = g < G;
+  uint32_t qa[D / 16];
+  float sq;
+  if (!quantize_q_slice<D>(p, row_ok ? qrow : -1, w.h * G + g, t, qa, sq) && warp == 0)
+    atomicOr(p.status, kPaQueryNonFinite);
+
+  float o[D / 8][2];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = 0.0f;
+  float m_run = kNegInf, l_run = 0.0f;  // per row g; O and l are relative to exp(m_run)
+  const float scale = p.scale;
+  // Row of n-tile j's B fragment this lane reads: key 8 (g >> 1) + 2j + (g & 1).
+  const int krow0 = 8 * (g >> 1) + (g & 1);
+
+  int wslot = NS - 1, rslot = 0;  // ring slots of the stage issued / consumed this iteration
+  // VROWS: a pair slot is refilled only when both warps are done with it, so the refill follows
+  // the barrier that also makes the partner's copies of stage i visible.
+  const int v_lane_off = VROWS ? 32 * (half ^ ((g >> 1) & 1)) + 8 * t : 8 * t;
+  for (int i = 0; i < nwp; ++i) {
+    if constexpr (VROWS) {
+      cp_async_wait<NS - 2>();  // this warp's part of stage i has landed
+      pair_barrier(warp);       // the partner's too, and both are done with stage i - 1's slot
+      ld.issue(i + NS - 1, wslot, nb0, nb1);
+      wslot = wslot == NS - 1 ? 0 : wslot + 1;
+      ids.raw_ids(i + NS, nb0, nb1);
+    } else {
+      ld.issue(i + NS - 1, wslot, nb0, nb1);
+      wslot = wslot == NS - 1 ? 0 : wslot + 1;
+      ids.raw_ids(i + NS, nb0, nb1);
+      cp_async_wait<NS - 1>();  // stage i has landed
+      __syncwarp();
+    }
+    const unsigned char* st = sbase_ptr + rslot * S::SST;
+    rslot = rslot == NS - 1 ? 0 : rslot + 1;
+    if (VROWS && i >= nw) continue;  // the partner's last stage: this warp only copied V rows
+    const int kp0 = ids.kp0_of(i);
+    const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
+    const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with lo_t <= k < lim_t are visible
+    const int lo_t = w.k_first - kp0 - 8 * t;
+    warp_decode_stage<D, PV, C::KS, S::VRS>(st + kof, st + sof, st + (VROWS ? 0 : C::V_OFF) + v_lane_off, krow0, g, t,
+                                            qa, sq, lim_t, lo_t, scale, p.softcap, o, m_run, l_run);
+    __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
+  }
+  if constexpr (VROWS) pair_barrier_padding<DW>(nst64, nwp, warp);
+  cp_async_wait<0>();
+  warp_decode_merge_out<D, DW, NS>(p, ts, smem, w, qrow, warp, g, t, o, m_run, l_run);
+}
+
 // Combines the splits of each (token, head) row: weights l_i exp(m_i - max m). One CTA of D
 // threads per row: kMergeGroups groups of D / 4 threads, group q merging splits q, q + 4, ... by
-// a running log-sum-exp with kMergeBatch splits' loads in flight at once (at batch 1 / 16k a row
-// has 16-64 splits, and the loads are L2 round trips: the old loop, eight splits at a time and
-// the maxima first, was 2 * nsplit / 8 of them in a row), then the groups combine through
-// shared memory.
+// a running log-sum-exp with kMergeBatch splits' loads in flight at once (a long context gives a
+// row tens of splits, and each load is an L2 round trip: issued together, their latencies
+// overlap instead of adding up), then the groups combine through shared memory.
 constexpr int kMergeGroups = 4;
 constexpr int kMergeBatch = 8;
 template <int D>
 __global__ void __launch_bounds__(D) merge_splits_kernel(PagedAttentionParams p, int nsplit) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent (sm_90): resident early, it waits here until the
   // attention grid has finished and its writes are visible.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  ptx::griddep_wait();
   __shared__ float s_acc[kMergeGroups][D];
   __shared__ float s_mw[kMergeGroups][2];
   const int64_t row = blockIdx.x;
@@ -1268,7 +1433,7 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || ts.nsplit == 1) return err;
   // The merge is a programmatic dependent launch where the GPU has it (sm_90): its launch
-  // overlaps the attention grid's tail instead of following it (a few us at batch 1).
+  // overlaps the attention grid's tail instead of following it.
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.num_tokens) * p.num_heads));
   cfg.blockDim = dim3(D);
@@ -1345,7 +1510,7 @@ size_t paged_attention_workspace_bytes(const PagedAttentionParams& p) {
 
 cudaError_t launch_paged_attention_int8(const PagedAttentionParams& p, cudaStream_t stream) {
   // The status word is checked here, not in paged_attention_unsupported: the ORT glue asks that
-  // question before it has allocated the word (the first real CUDA-EP session found this).
+  // question before it has allocated the word.
   if (paged_attention_unsupported(p) != nullptr || p.status == nullptr) return cudaErrorInvalidValue;
   if (p.num_tokens == 0 || p.num_seqs == 0) return cudaSuccess;
   const TileShape ts = tile_shape(p, use_warp_decode(p), current_device_limits());

@@ -21,11 +21,12 @@ inline constexpr int kSm90SmemPerSm = 233472;
 
 namespace {
 
-// cp.async and the mma.sync wrappers: csrc/cuda/ptx.cuh.
+// cp.async, the mma.sync wrappers and ex2.approx: csrc/cuda/ptx.cuh.
 using ptx::cp_async_commit;
 using ptx::cp_async_wait;
 using ptx::mma_f16;
 using ptx::mma_i8;
+using ptx::mma_i8_c;
 // 16-byte cp.async to a shared-memory address already converted (the warp decode loop keeps them).
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* gmem, bool valid) {
   ptx::cp_async16(dst, gmem, valid);
@@ -50,11 +51,7 @@ __device__ __forceinline__ void s8x4_to_half2x2(uint32_t x, uint32_t& lo, uint32
 // exp(x) as __expf computes it in the normal range (ex2.approx of x * log2 e), with results
 // below 2^-126 flushed to zero instead of __expf's extra range steps (~6 instructions an exp;
 // such a weight is a zero code either way).
-__device__ __forceinline__ float fast_exp(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
-}
+__device__ __forceinline__ float fast_exp(float x) { return ptx::ex2_approx_ftz(x * 1.4426950408889634f); }
 // decode_warp_kernel: rescale O and l only when a row's max grows by more than this (natural
 // log; e^5.5 ~ 245).
 constexpr float kLazyRescale = 5.5f;

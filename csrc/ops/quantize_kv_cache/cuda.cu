@@ -8,6 +8,7 @@
 #include <cfloat>
 
 #include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 #include "ops/quantize_kv_cache/cuda.cuh"
 
 namespace ort_ops {
@@ -61,13 +62,11 @@ __global__ void check_slots_kernel(const int64_t* slot_mapping, int num_tokens, 
 }
 
 __global__ void quantize_kv_cache_kernel(QuantizeKvCacheParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent (sm_90, decode-sized launches): wait for the previous
   // kernel's writes (the K/V this step projected) before any global read, then let the next
   // kernel (the attention, which waits for this grid in turn) become resident.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  ptx::griddep_wait();
+  ptx::griddep_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t vec = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nvec = static_cast<int64_t>(p.num_tokens) * p.num_kv_heads * 2;
