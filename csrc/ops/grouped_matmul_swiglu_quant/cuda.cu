@@ -105,10 +105,12 @@ struct Scratch {
 // [N/2, N), and the epilogue stores C with no row max and no cross-CTA wait.
 enum Mode : int { kSwiglu = 0, kDequant = 1 };
 
-// This thread's place in the tile: its warp (k half wk, warp row wm, warp column wn) and its
-// lane (g, t) of the mma fragment layout (lane g * 4 + t holds rows g and g + 8).
+// This thread's place in the tile: its warp (warp row wm, warp column wn; with KSPLIT 2 the k
+// half is warp / kWarpsMN, computed where it is used: kept as a field, it changed nvcc's code
+// for the KSPLIT 2 kernels) and its lane (g, t) of the mma fragment layout (lane g * 4 + t
+// holds rows g and g + 8).
 struct ThreadPos {
-  int tid, lane, warp, wk, wm, wn, g, t;
+  int tid, lane, warp, wm, wn, g, t;
 };
 
 template <class C>
@@ -117,7 +119,6 @@ __device__ __forceinline__ ThreadPos thread_pos() {
   th.tid = threadIdx.x;
   th.lane = th.tid & 31;
   th.warp = th.tid >> 5;
-  th.wk = th.warp / C::kWarpsMN;  // k half of this warp (KSPLIT 2), else 0
   th.wm = (th.warp % C::kWarpsMN) / C::kWarpsN;
   th.wn = th.warp % C::kWarpsN;
   th.g = th.lane >> 2;
@@ -240,7 +241,7 @@ __device__ __forceinline__ void mma_stage(int (&acc)[C::kMT][8][4], uint32_t as_
   const uint32_t bs_addr = as_addr + C::kAStage;
 #pragma unroll
   for (int kb = 0; kb < 2; ++kb) {
-    if (C::kKSplit == 2 && kb != th.wk) continue;  // warp-uniform
+    if (C::kKSplit == 2 && kb != th.warp / C::kWarpsMN) continue;  // warp-uniform (k half)
     uint32_t a[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -330,7 +331,7 @@ __device__ __forceinline__ void ksplit_reduce(int (&acc)[C::kMT][8][4], uint8_t*
   if (C::kKSplit == 2) {
     __syncthreads();
     int* xch = reinterpret_cast<int*>(smem) + (th.warp % C::kWarpsMN) * 32 * MT * 32 + th.lane;
-    if (th.wk == 1) {
+    if (th.warp / C::kWarpsMN == 1) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -339,7 +340,7 @@ __device__ __forceinline__ void ksplit_reduce(int (&acc)[C::kMT][8][4], uint8_t*
           for (int j = 0; j < 4; ++j) xch[((mt * 8 + nt) * 4 + j) * 32] = acc[mt][nt][j];
     }
     __syncthreads();
-    if (th.wk == 0) {
+    if (th.warp / C::kWarpsMN == 0) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -630,7 +631,7 @@ __global__ void __launch_bounds__(Cfg<WARPS_M, WARPS_N, MT, STAGES, KSPLIT>::kTh
     mma_k_loop<C, KM>(acc, a_src, a_dst, a_k, b_src, b_dst, b_k, b_step, smem, th, f, p, K, KT,
                       blk.rows);
     ksplit_reduce<C>(acc, smem, th);
-    const bool epi = th.wk == 0;  // warps that own accumulators from here on
+    const bool epi = th.warp / C::kWarpsMN == 0;  // warps that own accumulators from here on
 
     const int ocol = col0 + th.wn * kOutPerWarp + 8 * th.t;  // this lane's 8 output columns
     const bool col_ok = ocol < half;                          // half % 16 == 0: all 8 or none
