@@ -177,19 +177,58 @@ ORT_OPS_AMX bool tile_amx(const TileArgs& a, int64_t* bad_row) {
   return ok;
 }
 
-ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
-  using T = Avx512VnniTraits;
-  constexpr int64_t G = T::PACK_G;
-  constexpr int64_t kPanelPrefetchRows = 8;
+namespace {
+
+// ---- panel_amx: one expert's rows over a column part, all of K, in AMX tiles ----
+// The steps: the part's geometry and thread buffers, x back to signed bytes, the tile
+// configuration, then the int32 sums into acc ([rows_pad][cols]: "EN16K4" weights read in
+// place, chunk by chunk; the contract's [K, N] weights packed kPanelK deep into a slab that all
+// 32-row blocks multiply), then the epilogue (store_c and finish_row_n per row).
+#define ORT_OPS_AMX_STEP [[gnu::always_inline]] ORT_OPS_AMX inline
+
+// Columns and strides of one panel part. SwiGLU parts have two segments (A columns at col0,
+// G columns at N/2 + col0), each padded to wpad packed columns.
+struct PanelGeom {
+  int nseg;
+  int64_t n, kdim, width, xstride;
+  int64_t seg_col[2];
+  int64_t wpad;      // packed columns per segment
+  int64_t cols;      // packed columns of the part
+  int64_t rows_pad;  // AMX loads and stores whole 16-row tiles
+  int64_t ldb;       // bytes per packed step of the slab
+};
+
+// The part's buffers (thread-local, 64-byte aligned, grown on demand).
+struct PanelBufs {
+  uint8_t* slab;    // [kPanelK / 4 steps][cols][4] packed weights
+  int32_t* acc;     // [rows_pad][cols] int32 sums
+  int32_t* zeros;   // store_c's correction: none, x is signed here
+  int32_t* colmap;  // packed column -> natural column
+  float* wsp;       // weight scale per packed column (0 for padding)
+  float* cpk;       // one row's C in packed order
+  float* cnat;      // the same in natural order
+  int8_t* xs;       // [rows_pad][xstride] signed x
+};
+
+[[gnu::always_inline]] inline PanelGeom panel_geometry(const TileArgs& a) {
+  constexpr int64_t G = Avx512VnniTraits::PACK_G;
+  PanelGeom g;
   const bool swiglu = a.mode == Mode::kSwiglu;
-  const int nseg = swiglu ? 2 : 1;
-  const int64_t n = a.n, kdim = a.k, width = a.width, xstride = a.xprep_stride;
-  const int8_t* const w = a.w;
-  const int64_t seg_col[2] = {a.col0, n / 2 + a.col0};
-  const int64_t wpad = (width + G - 1) / G * G;  // packed columns per segment
-  const int64_t cols = nseg * wpad;
-  const int64_t rows_pad = (a.rows + 31) / 32 * 32;  // AMX loads and stores whole 16-row tiles
-  const int64_t ldb = cols * 4;                      // bytes per packed step of the slab
+  g.nseg = swiglu ? 2 : 1;
+  g.n = a.n;
+  g.kdim = a.k;
+  g.width = a.width;
+  g.xstride = a.xprep_stride;
+  g.seg_col[0] = a.col0;
+  g.seg_col[1] = g.n / 2 + a.col0;
+  g.wpad = (g.width + G - 1) / G * G;
+  g.cols = g.nseg * g.wpad;
+  g.rows_pad = (a.rows + 31) / 32 * 32;
+  g.ldb = g.cols * 4;
+  return g;
+}
+
+[[gnu::always_inline]] inline PanelBufs panel_buffers(const PanelGeom& g) {
   auto aligned = [](auto& v, size_t count) {
     if (v.size() < count + 64) v.resize(count + 64);
     using E = typename std::remove_reference_t<decltype(v)>::value_type;
@@ -198,200 +237,276 @@ ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
   thread_local std::vector<uint8_t> slab_v, x_v;
   thread_local std::vector<int32_t> acc_v, int_v;
   thread_local std::vector<float> flt_v;
-  uint8_t* slab = aligned(slab_v, static_cast<size_t>(kPanelK / 4 * ldb));
-  int32_t* acc = aligned(acc_v, static_cast<size_t>(rows_pad * cols));
-  int32_t* ints = aligned(int_v, static_cast<size_t>(2 * cols));
-  int32_t* zeros = ints;  // store_c's correction: none, x is signed here
-  int32_t* colmap = ints + cols;
-  float* flts = aligned(flt_v, static_cast<size_t>(3 * cols));
-  float* wsp = flts;              // weight scale per packed column (0 for padding)
-  float* cpk = flts + cols;       // one row's C in packed order
-  float* cnat = flts + 2 * cols;  // the same in natural order
-  std::fill(zeros, zeros + cols, 0);
-  // x back to signed bytes (prepared rows are x ^ 0x80 for VPDPBUSD): TDPBSSD multiplies signed
-  // by signed, so no column sums are needed. Rows past the expert's are zeros.
-  int8_t* xs = reinterpret_cast<int8_t*>(aligned(x_v, static_cast<size_t>(rows_pad * xstride)));
-  for (int64_t r = 0; r < rows_pad; ++r)
+  PanelBufs b;
+  b.slab = aligned(slab_v, static_cast<size_t>(kPanelK / 4 * g.ldb));
+  b.acc = aligned(acc_v, static_cast<size_t>(g.rows_pad * g.cols));
+  int32_t* ints = aligned(int_v, static_cast<size_t>(2 * g.cols));
+  b.zeros = ints;
+  b.colmap = ints + g.cols;
+  float* flts = aligned(flt_v, static_cast<size_t>(3 * g.cols));
+  b.wsp = flts;
+  b.cpk = flts + g.cols;
+  b.cnat = flts + 2 * g.cols;
+  std::fill(b.zeros, b.zeros + g.cols, 0);
+  b.xs = reinterpret_cast<int8_t*>(aligned(x_v, static_cast<size_t>(g.rows_pad * g.xstride)));
+  return b;
+}
+
+// x back to signed bytes (prepared rows are x ^ 0x80 for VPDPBUSD): TDPBSSD multiplies signed
+// by signed, so no column sums are needed. Rows past the expert's are zeros.
+[[gnu::always_inline]] inline void signed_x(const TileArgs& a, const PanelGeom& g, int8_t* xs) {
+  const int64_t xstride = g.xstride;
+  for (int64_t r = 0; r < g.rows_pad; ++r)
     for (int64_t i = 0; i < xstride; i += 64) {
       const __m512i v = r < a.rows ? _mm512_loadu_si512(a.xprep + r * xstride + i) : _mm512_set1_epi8(-128);
       _mm512_storeu_si512(xs + r * xstride + i, _mm512_xor_si512(v, _mm512_set1_epi8(-128)));
     }
+}
 
+// Every tile 16 rows x 64 bytes.
+ORT_OPS_AMX_STEP void configure_tiles() {
   AmxConfig cfg;
   for (int t = 0; t < 8; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) int8_t tmp[4][G];
-  // "EN16K4" weights (a.quads) are B tiles already: per 16-column tile ct the k quads of all K,
-  // w[((ct * k4 + step) * 16 + col % 16) * 4 + k % 4], so one 1 KB B tile is 16 consecutive
-  // steps, contiguous, and a 32-column chunk is two sequential streams over all of K. The
-  // chunk's sums stay in tile registers for all of K (no slabs). Chunks whose columns do not
-  // start a column tile (the G half when N/2 % 16 != 0) or run past the part, and the last k
-  // tile when K % 64 != 0, are gathered into `edge` with zeros past the width and past K.
-  if (a.quads) {
-    const int64_t k4 = kdim / 4, ktiles_all = (kdim + 63) / 64, ntiles = (n + 15) / 16;
-    alignas(64) uint8_t edge[2][16][32 * 4];
-    auto quad = [&](int64_t step, int64_t col) {
-      return w + (((col / 16) * k4 + step) * 16 + col % 16) * 4;
-    };
-    // 32 packed columns from `ch`: natural first column, live columns, whether read in place.
-    struct Half {
-      int64_t c0, live;
-      bool direct;
-    };
-    auto half = [&](int64_t ch) {
-      const int64_t sg = ch / wpad, q = ch % wpad;
-      Half h{seg_col[sg] + q, q < width ? std::min<int64_t>(32, width - q) : 0, false};
-      h.direct = h.live == 32 && h.c0 % 16 == 0 && h.c0 / 16 + 1 < ntiles;
-      return h;
-    };
-    // The two B tiles (columns 0-15, 16-31) of k tile t of half h: in place, or gathered into e.
-    struct BTiles {
-      const uint8_t *p0, *p1;
-      int64_t ld;
-    };
-    auto btiles = [&](const Half& h, int64_t t, uint8_t (*e)[32 * 4]) {
-      if (h.direct && (t + 1) * 16 <= k4) {
-        const uint8_t* p = reinterpret_cast<const uint8_t*>(quad(t * 16, h.c0));
-        return BTiles{p, p + k4 * 64, 64};
-      }
-      for (int64_t s = 0; s < 16; ++s)
-        for (int64_t c = 0; c < 32; ++c) {
-          const int64_t step = t * 16 + s;
-          if (step < k4 && c < h.live)
-            std::memcpy(e[s] + c * 4, quad(step, h.c0 + c), 4);
-          else
-            std::memset(e[s] + c * 4, 0, 4);
-        }
-      return BTiles{e[0], e[0] + 64, int64_t{32 * 4}};
-    };
-    // Up to 16 rows: 64 columns a chunk (four column tiles, four streams in flight). More rows:
-    // 32 columns a chunk, every 32-row block over it in turn, so a chunk's weights (K * 128
-    // bytes) come from memory once and from L2 for the other blocks. wpad is a multiple of 64,
-    // so both halves of a 64-column chunk are in one segment.
-    const bool one = a.rows <= 16;
-    for (int64_t ch = 0; ch < cols; ch += one ? 64 : 32) {
-      const Half h0 = half(ch);
-      if (h0.live == 0) continue;  // padding columns: never stored, wsp 0
-      if (!one) {
-        for (int64_t rb = 0; rb < a.rows; rb += 32) {
-          const bool two = a.rows - rb > 16;
-          const int8_t* xp = xs + rb * xstride;
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t t = 0; t < ktiles_all; ++t) {
-            const BTiles b = btiles(h0, t, edge[0]);
-            _tile_loadd(6, b.p0, b.ld);
-            _tile_loadd(7, b.p1, b.ld);
-            panel_mac(xp + t * 64, xstride, two);
-          }
-          panel_store(acc + rb * cols + ch, cols, ldb, two);
-        }
-        continue;
-      }
-      const Half h1 = half(ch + 32);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t t = 0; t < ktiles_all; ++t) {
-        _tile_loadd(4, xs + t * 64, xstride);
-        const BTiles b0 = btiles(h0, t, edge[0]);
-        _tile_loadd(6, b0.p0, b0.ld);
-        _tile_dpbssd(0, 4, 6);
-        _tile_loadd(7, b0.p1, b0.ld);
-        _tile_dpbssd(1, 4, 7);
-        const BTiles b1 = btiles(h1, t, edge[1]);
-        _tile_loadd(5, b1.p0, b1.ld);
-        _tile_dpbssd(2, 4, 5);
-        _tile_loadd(6, b1.p1, b1.ld);
-        _tile_dpbssd(3, 4, 6);
-      }
-      int32_t* c = acc + ch;
-      _tile_stored(0, c, ldb);
-      _tile_stored(1, c + 16, ldb);
-      _tile_stored(2, c + 32, ldb);
-      _tile_stored(3, c + 48, ldb);
-    }
-  }
-  for (int64_t k0 = 0; k0 < (a.quads ? 0 : kdim); k0 += kPanelK) {
-    const int64_t ktiles = (std::min(kPanelK, kdim - k0) + 63) / 64;
-    for (int64_t s = 0; s < ktiles * 16; ++s) {  // steps past k are zeros
-      const int64_t k = k0 + s * 4;
-      uint8_t* dst = slab + s * ldb;
-      for (int sg = 0; sg < nseg; ++sg)
-        for (int64_t g = 0; g < wpad; g += G) {
-          const int8_t* rp[4];
-          for (int i = 0; i < 4; ++i) {
-            if (k + i < kdim) {
-              rp[i] = safe_cols<G>(w + (k + i) * n + seg_col[sg] + g, width - g, tmp[i]);
-            } else {
-              std::memset(tmp[i], 0, G);
-              rp[i] = tmp[i];
-            }
-          }
-          // Two steps ahead into L2 (measured 5-10% over the hardware prefetchers alone).
-          for (int i = 0; i < 4; ++i)
-            if (k + kPanelPrefetchRows + i < kdim)
-              _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPanelPrefetchRows + i) * n + seg_col[sg] + g),
-                           _MM_HINT_T1);
-          __m512i v[4];
-          T::pack_regs(rp, v);
-          uint8_t* d = dst + (sg * wpad + g) * 4;
-          for (int j = 0; j < 4; ++j) T::store(d + j * 64, v[j]);
-        }
-    }
-    for (int64_t rb = 0; rb < a.rows; rb += 32) {
-      const bool two = a.rows - rb > 16;
-      const int8_t* xp = xs + rb * xstride + k0;  // quads: byte offset = k
-      for (int64_t ch = 0; ch < cols; ch += 32) {
-        int32_t* c = acc + rb * cols + ch;
-        // Rows 16-31 of the block exist only when `two`: their sums are neither loaded nor kept.
-        if (k0 == 0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-        } else {
-          _tile_loadd(0, c, ldb);
-          _tile_loadd(1, c + 16, ldb);
-          if (two) {
-            _tile_loadd(2, c + 16 * cols, ldb);
-            _tile_loadd(3, c + 16 * cols + 16, ldb);
-          }
-        }
-        const uint8_t* bp = slab + ch * 4;
-        for (int64_t t = 0; t < ktiles; ++t) {
-          _tile_loadd(6, bp + t * 16 * ldb, ldb);
-          _tile_loadd(7, bp + t * 16 * ldb + 64, ldb);
-          panel_mac(xp + t * 64, xstride, two);
-        }
-        panel_store(c, cols, ldb, two);
-      }
-    }
-  }
-  _tile_release();
+}
 
-  // Epilogue: the tile path's operations (store_c, then finish_row) over the part's columns.
+// ---- "EN16K4" weights (a.quads): B tiles in place ----
+// The weight is already B tiles: per 16-column tile ct the k quads of all K,
+// w[((ct * k4 + step) * 16 + col % 16) * 4 + k % 4], so one 1 KB B tile is 16 consecutive
+// steps, contiguous, and a 32-column chunk is two sequential streams over all of K. The
+// chunk's sums stay in tile registers for all of K (no slabs). Chunks whose columns do not
+// start a column tile (the G half when N/2 % 16 != 0) or run past the part, and the last k
+// tile when K % 64 != 0, are gathered into an edge buffer with zeros past the width and K.
+struct QuadsB {
+  const int8_t* w;
+  int64_t k4, ktiles_all, ntiles;
+};
+
+// 32 packed columns from a packed column: natural first column, live columns, whether read in
+// place.
+struct QuadsHalf {
+  int64_t c0, live;
+  bool direct;
+};
+
+// The two B tiles (columns 0-15, 16-31) of one k tile: in place, or gathered into an edge
+// buffer.
+struct BTiles {
+  const uint8_t *p0, *p1;
+  int64_t ld;
+};
+
+[[gnu::always_inline]] inline const int8_t* quad(const QuadsB& q, int64_t step, int64_t col) {
+  return q.w + (((col / 16) * q.k4 + step) * 16 + col % 16) * 4;
+}
+
+[[gnu::always_inline]] inline QuadsHalf quads_half(const PanelGeom& g, const QuadsB& q, int64_t ch) {
+  const int64_t sg = ch / g.wpad, c = ch % g.wpad;
+  QuadsHalf h{g.seg_col[sg] + c, c < g.width ? std::min<int64_t>(32, g.width - c) : 0, false};
+  h.direct = h.live == 32 && h.c0 % 16 == 0 && h.c0 / 16 + 1 < q.ntiles;
+  return h;
+}
+
+[[gnu::always_inline]] inline BTiles quads_btiles(const QuadsB& q, const QuadsHalf& h, int64_t t,
+                                                  uint8_t (*e)[32 * 4]) {
+  if (h.direct && (t + 1) * 16 <= q.k4) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(quad(q, t * 16, h.c0));
+    return BTiles{p, p + q.k4 * 64, 64};
+  }
+  for (int64_t s = 0; s < 16; ++s)
+    for (int64_t c = 0; c < 32; ++c) {
+      const int64_t step = t * 16 + s;
+      if (step < q.k4 && c < h.live)
+        std::memcpy(e[s] + c * 4, quad(q, step, h.c0 + c), 4);
+      else
+        std::memset(e[s] + c * 4, 0, 4);
+    }
+  return BTiles{e[0], e[0] + 64, int64_t{32 * 4}};
+}
+
+// More than 16 rows: the 32-column chunk at packed column ch times every 32-row block in
+// turn, so the chunk's weights (K * 128 bytes) come from memory once and from L2 for the other
+// blocks.
+ORT_OPS_AMX_STEP void quads_chunk_blocks(const TileArgs& a, const PanelGeom& g, const QuadsB& q,
+                                         const QuadsHalf& h0, int64_t ch, const int8_t* xs,
+                                         int32_t* acc, uint8_t (*edge)[32 * 4]) {
+  for (int64_t rb = 0; rb < a.rows; rb += 32) {
+    const bool two = a.rows - rb > 16;
+    const int8_t* xp = xs + rb * g.xstride;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t = 0; t < q.ktiles_all; ++t) {
+      const BTiles b = quads_btiles(q, h0, t, edge);
+      _tile_loadd(6, b.p0, b.ld);
+      _tile_loadd(7, b.p1, b.ld);
+      panel_mac(xp + t * 64, g.xstride, two);
+    }
+    panel_store(acc + rb * g.cols + ch, g.cols, g.ldb, two);
+  }
+}
+
+// Up to 16 rows: the 64-column chunk at packed column ch (four column tiles, four streams in
+// flight), its sums in tiles 0-3.
+ORT_OPS_AMX_STEP void quads_chunk_one(const PanelGeom& g, const QuadsB& q, const QuadsHalf& h0,
+                                      const QuadsHalf& h1, int64_t ch, const int8_t* xs,
+                                      int32_t* acc, uint8_t (*edge)[16][32 * 4]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < q.ktiles_all; ++t) {
+    _tile_loadd(4, xs + t * 64, g.xstride);
+    const BTiles b0 = quads_btiles(q, h0, t, edge[0]);
+    _tile_loadd(6, b0.p0, b0.ld);
+    _tile_dpbssd(0, 4, 6);
+    _tile_loadd(7, b0.p1, b0.ld);
+    _tile_dpbssd(1, 4, 7);
+    const BTiles b1 = quads_btiles(q, h1, t, edge[1]);
+    _tile_loadd(5, b1.p0, b1.ld);
+    _tile_dpbssd(2, 4, 5);
+    _tile_loadd(6, b1.p1, b1.ld);
+    _tile_dpbssd(3, 4, 6);
+  }
+  int32_t* c = acc + ch;
+  _tile_stored(0, c, g.ldb);
+  _tile_stored(1, c + 16, g.ldb);
+  _tile_stored(2, c + 32, g.ldb);
+  _tile_stored(3, c + 48, g.ldb);
+}
+
+// All sums of an "EN16K4" part. Up to 16 rows: 64 columns a chunk; more rows: 32 columns a
+// chunk. wpad is a multiple of 64, so both halves of a 64-column chunk are in one segment.
+ORT_OPS_AMX_STEP void quads_sums(const TileArgs& a, const PanelGeom& g, const int8_t* xs,
+                                 int32_t* acc) {
+  const QuadsB q{a.w, g.kdim / 4, (g.kdim + 63) / 64, (g.n + 15) / 16};
+  alignas(64) uint8_t edge[2][16][32 * 4];
+  const bool one = a.rows <= 16;
+  for (int64_t ch = 0; ch < g.cols; ch += one ? 64 : 32) {
+    const QuadsHalf h0 = quads_half(g, q, ch);
+    if (h0.live == 0) continue;  // padding columns: never stored, wsp 0
+    if (!one) {
+      quads_chunk_blocks(a, g, q, h0, ch, xs, acc, edge[0]);
+      continue;
+    }
+    quads_chunk_one(g, q, h0, quads_half(g, q, ch + 32), ch, xs, acc, edge);
+  }
+}
+
+// ---- the contract's [K, N] weights: packed into a slab kPanelK deep ----
+// Steps [0, ktiles * 16) of the slab from k0: per segment and 64-column group, 4 k rows
+// interleaved into quads (pack_regs); steps past K are zeros.
+[[gnu::always_inline]] inline void pack_slab(const PanelGeom& g, const int8_t* w, int64_t k0,
+                                             int64_t ktiles, uint8_t* slab) {
+  using T = Avx512VnniTraits;
+  constexpr int64_t G = T::PACK_G;
+  constexpr int64_t kPanelPrefetchRows = 8;
+  alignas(64) int8_t tmp[4][G];
+  for (int64_t s = 0; s < ktiles * 16; ++s) {
+    const int64_t k = k0 + s * 4;
+    uint8_t* dst = slab + s * g.ldb;
+    for (int sg = 0; sg < g.nseg; ++sg)
+      for (int64_t c = 0; c < g.wpad; c += G) {
+        const int8_t* rp[4];
+        for (int i = 0; i < 4; ++i) {
+          if (k + i < g.kdim) {
+            rp[i] = safe_cols<G>(w + (k + i) * g.n + g.seg_col[sg] + c, g.width - c, tmp[i]);
+          } else {
+            std::memset(tmp[i], 0, G);
+            rp[i] = tmp[i];
+          }
+        }
+        // Rows two steps ahead into L2 (each step reads 4 rows N bytes apart).
+        for (int i = 0; i < 4; ++i)
+          if (k + kPanelPrefetchRows + i < g.kdim)
+            _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPanelPrefetchRows + i) * g.n + g.seg_col[sg] + c),
+                         _MM_HINT_T1);
+        __m512i v[4];
+        T::pack_regs(rp, v);
+        uint8_t* d = dst + (sg * g.wpad + c) * 4;
+        for (int j = 0; j < 4; ++j) T::store(d + j * 64, v[j]);
+      }
+  }
+}
+
+// Every 32-row block times the slab (ktiles k tiles from k0), 32 columns at a time, adding to
+// the sums in acc (k0 == 0: starting from zero).
+ORT_OPS_AMX_STEP void slab_sums(const TileArgs& a, const PanelGeom& g, const int8_t* xs,
+                                const uint8_t* slab, int64_t k0, int64_t ktiles, int32_t* acc) {
+  const int64_t cols = g.cols, ldb = g.ldb;
+  for (int64_t rb = 0; rb < a.rows; rb += 32) {
+    const bool two = a.rows - rb > 16;
+    const int8_t* xp = xs + rb * g.xstride + k0;  // quads: byte offset = k
+    for (int64_t ch = 0; ch < cols; ch += 32) {
+      int32_t* c = acc + rb * cols + ch;
+      // Rows 16-31 of the block exist only when `two`: their sums are neither loaded nor kept.
+      if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, c, ldb);
+        _tile_loadd(1, c + 16, ldb);
+        if (two) {
+          _tile_loadd(2, c + 16 * cols, ldb);
+          _tile_loadd(3, c + 16 * cols + 16, ldb);
+        }
+      }
+      const uint8_t* bp = slab + ch * 4;
+      for (int64_t t = 0; t < ktiles; ++t) {
+        _tile_loadd(6, bp + t * 16 * ldb, ldb);
+        _tile_loadd(7, bp + t * 16 * ldb + 64, ldb);
+        panel_mac(xp + t * 64, g.xstride, two);
+      }
+      panel_store(c, cols, ldb, two);
+    }
+  }
+}
+
+// Epilogue: the tile path's operations (store_c, then finish_row) over the part's columns.
+// Returns false with *bad_row set at the first row whose C is not finite.
+[[gnu::always_inline]] inline bool panel_epilogue(const TileArgs& a, const PanelGeom& g,
+                                                  const PanelBufs& b, int64_t* bad_row) {
+  using T = Avx512VnniTraits;
+  constexpr int64_t G = T::PACK_G;
+  const int64_t cols = g.cols, wpad = g.wpad;
   for (int64_t p = 0; p < cols; ++p) {
     const int64_t q = p % wpad, j = a.quads ? q : (q / G) * G + T::perm(q % G);
-    colmap[p] = static_cast<int32_t>((p / wpad) * wpad + j);
-    wsp[p] = j < width ? a.w_scale[seg_col[p / wpad] + j] : 0.0f;
+    b.colmap[p] = static_cast<int32_t>((p / wpad) * wpad + j);
+    b.wsp[p] = j < g.width ? a.w_scale[g.seg_col[p / wpad] + j] : 0.0f;
   }
   for (int64_t r = 0; r < a.rows; ++r) {
     for (int64_t p = 0; p < cols; p += 16)
-      T::store_c(T::load(reinterpret_cast<const uint8_t*>(acc + r * cols + p)), zeros + p, a.x_scale[r], wsp + p,
-                 cpk + p);
-    if (!finish_row_n(a, cpk, colmap, a.out + r * a.ldo, cols, wpad, cnat)) {
+      T::store_c(T::load(reinterpret_cast<const uint8_t*>(b.acc + r * cols + p)), b.zeros + p, a.x_scale[r], b.wsp + p,
+                 b.cpk + p);
+    if (!finish_row_n(a, b.cpk, b.colmap, a.out + r * a.ldo, cols, wpad, b.cnat)) {
       *bad_row = r;
       return false;
     }
   }
   return true;
+}
+
+}  // namespace
+
+ORT_OPS_AMX bool panel_amx(const TileArgs& a, int64_t* bad_row) {
+  const PanelGeom g = panel_geometry(a);
+  const PanelBufs b = panel_buffers(g);
+  signed_x(a, g, b.xs);
+  configure_tiles();
+  if (a.quads) quads_sums(a, g, b.xs, b.acc);
+  for (int64_t k0 = 0; k0 < (a.quads ? 0 : g.kdim); k0 += kPanelK) {
+    const int64_t ktiles = (std::min(kPanelK, g.kdim - k0) + 63) / 64;
+    pack_slab(g, a.w, k0, ktiles, b.slab);
+    slab_sums(a, g, b.xs, b.slab, k0, ktiles, b.acc);
+  }
+  _tile_release();
+  return panel_epilogue(a, g, b, bad_row);
 }
 
 bool tile_avx512vnni(const TileArgs& a, int64_t* bad_row) {

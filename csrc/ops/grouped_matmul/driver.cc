@@ -232,58 +232,90 @@ Problem read_problem_layout(const char* op, Ort::KernelContext& ctx, WeightLayou
   return p;
 }
 
-void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
-               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done,
-               const Act& act) {
-  if (p.rows_used == 0) return;
-  const int64_t cols = mode == Mode::kSwiglu ? p.n / 2 : p.n;
-  const int64_t tile_w = mode == Mode::kSwiglu ? kHalfCols : kTileCols;
-  const int64_t col_tiles = (cols + tile_w - 1) / tile_w;
+namespace {
 
-  // x rows in the ISA's layout, prepared once and shared by every task. Small inputs (decode)
-  // are prepared on this thread: every parallel_for is a barrier, and barriers are what an
-  // oversubscribed machine makes expensive.
-  std::unique_ptr<uint8_t[]> xprep;
+// x rows in the ISA's layout (kern.prep), prepared once and shared by every task; empty when
+// the kernels read x as it is.
+struct PreparedX {
+  std::unique_ptr<uint8_t[]> rows;
   int64_t stride = 0;
+};
+
+// Small inputs (decode) are prepared on this thread: every parallel_for is a barrier, and
+// barriers are what an oversubscribed machine makes expensive. kern.prep_pad_rows zero rows
+// follow the last used row.
+[[gnu::always_inline]] inline PreparedX prepare_x(Ort::KernelContext& ctx, const Problem& p,
+                                                  const Kernels& kern) {
+  PreparedX xp;
   if (kern.prep) {
-    stride = kern.prep_stride(p.k);
-    xprep.reset(new uint8_t[static_cast<size_t>((p.rows_used + kern.prep_pad_rows) * stride)]);
-    std::fill(xprep.get() + p.rows_used * stride, xprep.get() + (p.rows_used + kern.prep_pad_rows) * stride,
+    const int64_t stride = kern.prep_stride(p.k);
+    xp.stride = stride;
+    xp.rows.reset(new uint8_t[static_cast<size_t>((p.rows_used + kern.prep_pad_rows) * stride)]);
+    uint8_t* rows = xp.rows.get();
+    std::fill(rows + p.rows_used * stride, rows + (p.rows_used + kern.prep_pad_rows) * stride,
               uint8_t{0});
     const int64_t rows_per = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(p.k, 1));
     const int64_t chunks = (p.rows_used + rows_per - 1) / rows_per;
     parallel_for(ctx, static_cast<size_t>(chunks), [&](size_t c) {
       const int64_t r0 = static_cast<int64_t>(c) * rows_per;
       const int64_t r1 = std::min(p.rows_used, r0 + rows_per);
-      kern.prep(p.x + r0 * p.k, r1 - r0, p.k, xprep.get() + r0 * stride, stride);
+      kern.prep(p.x + r0 * p.k, r1 - r0, p.k, rows + r0 * stride, stride);
     });
   }
+  return xp;
+}
 
-  // Few-row experts (memory-bound) go through K-split partial sums over whole weight rows;
-  // the others through column tiles that reuse each packed tile for all their rows.
-  struct Tile {
-    int64_t e, r0, r1;
-    int64_t col0, width;  // columns (SwiGLU: of A)
-    bool panel;           // kern.panel over all of K, else kern.tile
-  };
-  struct Gemv {
-    int64_t e, r0, r1;
-    size_t offset;  // into partials: kblocks * (rows * n_pad + n_pad) ints
-    size_t chunk;   // its entry in chunks
-  };
-  struct Chunk {  // rows whose epilogue the last of its tasks runs
-    int64_t gemv;  // index into gemvs (its k blocks are the tasks), or -1 (its column tiles are)
-    int64_t r0, r1;
-  };
+// Few-row experts (memory-bound) go through K-split partial sums over whole weight rows;
+// the others through column tiles that reuse each packed tile for all their rows.
+struct Tile {
+  int64_t e, r0, r1;
+  int64_t col0, width;  // columns (SwiGLU: of A)
+  bool panel;           // kern.panel over all of K, else kern.tile
+};
+struct Gemv {
+  int64_t e, r0, r1;
+  size_t offset;  // into partials: kblocks * (rows * n_pad + n_pad) ints
+  size_t chunk;   // its entry in chunks
+};
+struct Chunk {  // rows whose epilogue the last of its tasks runs
+  int64_t gemv;  // index into gemvs (its k blocks are the tasks), or -1 (its column tiles are)
+  int64_t r0, r1;
+};
+
+// Every task of a Run: tiles (and panels), few-row experts' k blocks, and the chunks of rows
+// they complete (chunk_tasks[c]: how many tasks chunk c waits for).
+struct TaskPlan {
   std::vector<Tile> tiles;
   std::vector<Gemv> gemvs;
   std::vector<Chunk> chunks;
   std::vector<int64_t> tile_chunk;  // chunk of each tile
-  const bool use_gemv = kern.gemv_partial != nullptr && p.k > 0 && p.n > 0;
-  const int64_t n_pad = use_gemv ? (p.n + kern.gemv_group - 1) / kern.gemv_group * kern.gemv_group : 0;
-  const int64_t kblocks = (p.k + kGemvBlockK - 1) / kGemvBlockK;
-  size_t partial_ints = 0;
   std::vector<int64_t> chunk_tasks;
+  size_t partial_ints = 0;  // int32 partial sums of all few-row experts
+  int64_t n_pad = 0;        // N rounded up to kern.gemv_group (few-row path only)
+  int64_t kblocks = 0;      // k blocks of kGemvBlockK per few-row expert
+};
+
+// Column width of one panel part: panels split their columns into parts so that a few of
+// them still spread over the pool, and parts keep a panel's thread buffers bounded
+// (kMaxPanelCols columns per segment). A multiple of 64 (the AMX packing group).
+[[gnu::always_inline]] inline int64_t panel_part_width(int64_t cols, int64_t panel_experts) {
+  constexpr int64_t kMaxPanelCols = 4096;
+  const int64_t parts = std::max((cols + kMaxPanelCols - 1) / kMaxPanelCols,
+                                 panel_experts ? std::min<int64_t>(4, (4 + panel_experts - 1) / panel_experts) : 1);
+  return ((cols + parts - 1) / parts + 63) / 64 * 64;
+}
+
+// Splits every expert into tasks: few-row experts (kern.gemv_rows) into k blocks, panel
+// experts (kern.panel_rows rows a chunk, or every expert for "EN16K4" weights, which need the
+// AMX panel kernel) into column parts, the others into kRowChunk rows x column tiles.
+[[gnu::always_inline]] inline TaskPlan plan_tasks(const char* op, const Problem& p,
+                                                  const Kernels& kern, int64_t cols,
+                                                  int64_t tile_w, int64_t col_tiles) {
+  TaskPlan tp;
+  const bool use_gemv = kern.gemv_partial != nullptr && p.k > 0 && p.n > 0;
+  tp.n_pad = use_gemv ? (p.n + kern.gemv_group - 1) / kern.gemv_group * kern.gemv_group : 0;
+  tp.kblocks = (p.k + kGemvBlockK - 1) / kGemvBlockK;
+  const int64_t n_pad = tp.n_pad, kblocks = tp.kblocks;
   // "EN16K4" weights: every expert runs as panels (no packing to do), chunks of panel_rows rows.
   auto is_gemv = [&](int64_t rows) { return use_gemv && !p.w_quads && rows > 0 && rows <= kern.gemv_rows; };
   auto is_panel = [&](int64_t rows) {
@@ -292,135 +324,185 @@ void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode m
   };
   if (p.w_quads && (kern.panel == nullptr || p.k % 4 != 0))
     fail_unsupported(op, "weight_layout 'EN16K4' needs the AMX panel kernel here (unpack it first)");
-  // Panels split their columns into parts so that a few of them still spread over the pool.
   int64_t panel_experts = 0;
   for (int64_t e = 0, start = 0; e < p.e; start = p.ends[static_cast<size_t>(e)], ++e)
     panel_experts += is_panel(p.ends[static_cast<size_t>(e)] - start) ? 1 : 0;
-  // Parts also keep a panel's thread buffers bounded (kMaxPanelCols columns per segment).
-  constexpr int64_t kMaxPanelCols = 4096;
-  const int64_t parts = std::max((cols + kMaxPanelCols - 1) / kMaxPanelCols,
-                                 panel_experts ? std::min<int64_t>(4, (4 + panel_experts - 1) / panel_experts) : 1);
-  const int64_t part_w = ((cols + parts - 1) / parts + 63) / 64 * 64;
+  const int64_t part_w = panel_part_width(cols, panel_experts);
   int64_t start = 0;
   for (int64_t e = 0; e < p.e; ++e) {
     const int64_t end = p.ends[static_cast<size_t>(e)];
     if (is_gemv(end - start)) {
-      gemvs.push_back({e, start, end, partial_ints, chunks.size()});
-      chunks.push_back({static_cast<int64_t>(gemvs.size()) - 1, start, end});
-      chunk_tasks.push_back(kblocks);
-      partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));
+      tp.gemvs.push_back({e, start, end, tp.partial_ints, tp.chunks.size()});
+      tp.chunks.push_back({static_cast<int64_t>(tp.gemvs.size()) - 1, start, end});
+      tp.chunk_tasks.push_back(kblocks);
+      tp.partial_ints += static_cast<size_t>(kblocks * ((end - start) * n_pad + n_pad));
     } else if (is_panel(end - start)) {
       for (int64_t r0 = start; r0 < end; r0 += kern.panel_rows) {
         const int64_t r1 = std::min(end, r0 + kern.panel_rows);
         int64_t tasks = 0;
         for (int64_t c0 = 0; c0 < cols; c0 += part_w, ++tasks) {
-          tiles.push_back({e, r0, r1, c0, std::min(part_w, cols - c0), true});
-          tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
+          tp.tiles.push_back({e, r0, r1, c0, std::min(part_w, cols - c0), true});
+          tp.tile_chunk.push_back(static_cast<int64_t>(tp.chunks.size()));
         }
-        chunks.push_back({-1, r0, r1});
-        chunk_tasks.push_back(tasks);
+        tp.chunks.push_back({-1, r0, r1});
+        tp.chunk_tasks.push_back(tasks);
       }
     } else {
       for (int64_t r0 = start; r0 < end; r0 += kRowChunk) {  // empty experts add no task
         const int64_t r1 = std::min(end, r0 + kRowChunk);
         for (int64_t t = 0; t < col_tiles; ++t) {
-          tiles.push_back({e, r0, r1, t * tile_w, std::min(tile_w, cols - t * tile_w), false});
-          tile_chunk.push_back(static_cast<int64_t>(chunks.size()));
+          tp.tiles.push_back({e, r0, r1, t * tile_w, std::min(tile_w, cols - t * tile_w), false});
+          tp.tile_chunk.push_back(static_cast<int64_t>(tp.chunks.size()));
         }
-        chunks.push_back({-1, r0, r1});
-        chunk_tasks.push_back(col_tiles);
+        tp.chunks.push_back({-1, r0, r1});
+        tp.chunk_tasks.push_back(col_tiles);
       }
     }
     start = end;
   }
+  return tp;
+}
 
-  // One parallel section: partial-sum tasks and tile tasks together; the last task of a chunk
-  // (counted down with acquire-release, so it sees every other task's writes) runs the
-  // chunk's epilogue: the few-row finish, then rows_done. No barrier between the phases.
-  std::unique_ptr<int32_t[]> partials(partial_ints ? new int32_t[partial_ints] : nullptr);
-  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[chunks.size() + 1]);
-  for (size_t c = 0; c < chunks.size(); ++c) pending[c].store(chunk_tasks[c]);
-  std::atomic<int64_t> bad_row{-1};
-  auto report = [&](int64_t row) {
-    int64_t expected = -1;
-    bad_row.compare_exchange_strong(expected, row);
-  };
-  auto finish_chunk = [&](const Chunk& c) {
-    if (bad_row.load() >= 0) return;  // the Run fails; leave the rows alone
-    if (c.gemv >= 0) {
-      const Gemv& g = gemvs[static_cast<size_t>(c.gemv)];
-      GemvFinishArgs f;
-      f.mode = mode;
-      f.partials = partials.get() + g.offset;
-      f.colsums = f.partials + (g.r1 - g.r0) * n_pad;
-      f.nparts = kblocks;
-      f.part_stride = (g.r1 - g.r0) * n_pad + n_pad;
-      f.rows = g.r1 - g.r0;
-      f.n = p.n;
-      f.x_scale = p.x_scale + g.r0;
-      f.w_scale = p.w_scale + g.e * p.n;
-      f.out = out + g.r0 * ldo;
-      f.ldo = ldo;
-      f.bias = p.bias ? p.bias + g.e * p.n : nullptr;
-      f.act = act;
-      int64_t row = -1;
-      if (!kern.gemv_finish(f, &row)) {
-        report(g.r0 + row);
-        return;
-      }
+// What every task of the parallel section reads, and the state the tasks share: partial sums,
+// pending task counts per chunk, and the first row that failed (-1: none).
+struct TaskRun {
+  const Problem& p;
+  Mode mode;
+  const Kernels& kern;
+  float* out;
+  int64_t ldo;
+  const RowsDoneFn& rows_done;
+  const Act& act;
+  const TaskPlan& plan;
+  const PreparedX& xp;
+  int32_t* partials;
+  std::atomic<int64_t>* pending;
+  std::atomic<int64_t>& bad_row;
+};
+
+// Keeps the first failing row (a Run reports one).
+[[gnu::always_inline]] inline void report_bad_row(std::atomic<int64_t>& bad_row, int64_t row) {
+  int64_t expected = -1;
+  bad_row.compare_exchange_strong(expected, row);
+}
+
+// k block b of few-row expert g: its int32 partial sums (and column sums) into partials.
+[[gnu::always_inline]] inline void run_gemv_task(const TaskRun& run, const Gemv& g, int64_t b) {
+  const Problem& p = run.p;
+  const int64_t n_pad = run.plan.n_pad;
+  const int64_t rows = g.r1 - g.r0;
+  GemvArgs a;
+  a.xprep = run.xp.rows.get() + g.r0 * run.xp.stride;
+  a.xprep_stride = run.xp.stride;
+  a.rows = rows;
+  a.k = p.k;
+  a.n = p.n;
+  a.k0 = b * kGemvBlockK;
+  a.k1 = std::min(p.k, a.k0 + kGemvBlockK);
+  a.w = p.w + g.e * p.k * p.n;
+  a.acc = run.partials + g.offset + static_cast<size_t>(b * (rows * n_pad + n_pad));
+  a.colsum = a.acc + rows * n_pad;
+  run.kern.gemv_partial(a);
+}
+
+// One column tile (kern.tile) or panel part (kern.panel) of rows [t.r0, t.r1) into out.
+[[gnu::always_inline]] inline void run_tile_task(const TaskRun& run, const Tile& t) {
+  const Problem& p = run.p;
+  TileArgs a;
+  a.mode = run.mode;
+  a.x = p.x + t.r0 * p.k;
+  a.xprep = run.xp.rows ? run.xp.rows.get() + t.r0 * run.xp.stride : nullptr;
+  a.xprep_stride = run.xp.stride;
+  a.rows = t.r1 - t.r0;
+  a.k = p.k;
+  a.n = p.n;
+  a.w = p.w + t.e * (p.w_quads ? (p.n + 15) / 16 * 16 * p.k : p.k * p.n);
+  a.quads = p.w_quads;
+  a.x_scale = p.x_scale + t.r0;
+  a.w_scale = p.w_scale + t.e * p.n;
+  a.col0 = t.col0;
+  a.width = t.width;
+  a.out = run.out + t.r0 * run.ldo + a.col0;
+  a.ldo = run.ldo;
+  a.bias = p.bias ? p.bias + t.e * p.n : nullptr;
+  a.act = run.act;
+  int64_t row = -1;
+  if (!(t.panel ? run.kern.panel : run.kern.tile)(a, &row)) report_bad_row(run.bad_row, t.r0 + row);
+}
+
+// The epilogue of a chunk whose tasks are all done: a few-row expert's finish (sums of its k
+// blocks, scales, bias, activation), then rows_done. Skipped once a row failed.
+[[gnu::always_inline]] inline void finish_chunk(const TaskRun& run, const Chunk& c) {
+  if (run.bad_row.load() >= 0) return;  // the Run fails; leave the rows alone
+  if (c.gemv >= 0) {
+    const Problem& p = run.p;
+    const int64_t n_pad = run.plan.n_pad;
+    const Gemv& g = run.plan.gemvs[static_cast<size_t>(c.gemv)];
+    GemvFinishArgs f;
+    f.mode = run.mode;
+    f.partials = run.partials + g.offset;
+    f.colsums = f.partials + (g.r1 - g.r0) * n_pad;
+    f.nparts = run.plan.kblocks;
+    f.part_stride = (g.r1 - g.r0) * n_pad + n_pad;
+    f.rows = g.r1 - g.r0;
+    f.n = p.n;
+    f.x_scale = p.x_scale + g.r0;
+    f.w_scale = p.w_scale + g.e * p.n;
+    f.out = run.out + g.r0 * run.ldo;
+    f.ldo = run.ldo;
+    f.bias = p.bias ? p.bias + g.e * p.n : nullptr;
+    f.act = run.act;
+    int64_t row = -1;
+    if (!run.kern.gemv_finish(f, &row)) {
+      report_bad_row(run.bad_row, g.r0 + row);
+      return;
     }
-    if (rows_done) rows_done(c.r0, c.r1);
-  };
+  }
+  if (run.rows_done) run.rows_done(c.r0, c.r1);
+}
+
+// Task `task` of the parallel section: tiles first, then the k blocks. The last task of a
+// chunk (counted down with acquire-release, so it sees every other task's writes) runs the
+// chunk's epilogue.
+[[gnu::always_inline]] inline void run_task(const TaskRun& run, size_t task) {
+  const TaskPlan& plan = run.plan;
+  size_t chunk;
+  if (task >= plan.tiles.size()) {
+    const size_t i = task - plan.tiles.size();
+    const size_t kblocks = static_cast<size_t>(plan.kblocks);
+    const Gemv& g = plan.gemvs[i / kblocks];
+    chunk = g.chunk;
+    run_gemv_task(run, g, static_cast<int64_t>(i % kblocks));
+  } else {
+    chunk = static_cast<size_t>(plan.tile_chunk[task]);
+    run_tile_task(run, plan.tiles[task]);
+  }
+  if (run.pending[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) finish_chunk(run, plan.chunks[chunk]);
+}
+
+}  // namespace
+
+void run_tiles(const char* op, Ort::KernelContext& ctx, const Problem& p, Mode mode,
+               const Kernels& kern, float* out, int64_t ldo, const RowsDoneFn& rows_done,
+               const Act& act) {
+  if (p.rows_used == 0) return;
+  const int64_t cols = mode == Mode::kSwiglu ? p.n / 2 : p.n;
+  const int64_t tile_w = mode == Mode::kSwiglu ? kHalfCols : kTileCols;
+  const int64_t col_tiles = (cols + tile_w - 1) / tile_w;
+  const PreparedX xp = prepare_x(ctx, p, kern);
+  const TaskPlan plan = plan_tasks(op, p, kern, cols, tile_w, col_tiles);
+
+  // One parallel section: partial-sum tasks and tile tasks together, the last task of a chunk
+  // running its epilogue (finish_chunk). No barrier between the phases.
+  std::unique_ptr<int32_t[]> partials(plan.partial_ints ? new int32_t[plan.partial_ints] : nullptr);
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[plan.chunks.size() + 1]);
+  for (size_t c = 0; c < plan.chunks.size(); ++c) pending[c].store(plan.chunk_tasks[c]);
+  std::atomic<int64_t> bad_row{-1};
+  const TaskRun run{p, mode, kern, out, ldo, rows_done, act, plan, xp, partials.get(), pending.get(), bad_row};
   // Tiles and panels (a whole expert's weights each, or a column share of them) come first and
   // the small k-block tasks last, so the pool's threads end at about the same time.
-  const size_t n_partial = gemvs.size() * static_cast<size_t>(kblocks);
-  parallel_for(ctx, n_partial + tiles.size(), [&](size_t task) {
-    size_t chunk;
-    if (task >= tiles.size()) {
-      const size_t i = task - tiles.size();
-      const Gemv& g = gemvs[i / static_cast<size_t>(kblocks)];
-      chunk = g.chunk;
-      const int64_t b = static_cast<int64_t>(i % static_cast<size_t>(kblocks));
-      const int64_t rows = g.r1 - g.r0;
-      GemvArgs a;
-      a.xprep = xprep.get() + g.r0 * stride;
-      a.xprep_stride = stride;
-      a.rows = rows;
-      a.k = p.k;
-      a.n = p.n;
-      a.k0 = b * kGemvBlockK;
-      a.k1 = std::min(p.k, a.k0 + kGemvBlockK);
-      a.w = p.w + g.e * p.k * p.n;
-      a.acc = partials.get() + g.offset + static_cast<size_t>(b * (rows * n_pad + n_pad));
-      a.colsum = a.acc + rows * n_pad;
-      kern.gemv_partial(a);
-    } else {
-      const size_t ti = task;
-      const Tile& t = tiles[ti];
-      chunk = static_cast<size_t>(tile_chunk[ti]);
-      TileArgs a;
-      a.mode = mode;
-      a.x = p.x + t.r0 * p.k;
-      a.xprep = xprep ? xprep.get() + t.r0 * stride : nullptr;
-      a.xprep_stride = stride;
-      a.rows = t.r1 - t.r0;
-      a.k = p.k;
-      a.n = p.n;
-      a.w = p.w + t.e * (p.w_quads ? (p.n + 15) / 16 * 16 * p.k : p.k * p.n);
-      a.quads = p.w_quads;
-      a.x_scale = p.x_scale + t.r0;
-      a.w_scale = p.w_scale + t.e * p.n;
-      a.col0 = t.col0;
-      a.width = t.width;
-      a.out = out + t.r0 * ldo + a.col0;
-      a.ldo = ldo;
-      a.bias = p.bias ? p.bias + t.e * p.n : nullptr;
-      a.act = act;
-      int64_t row = -1;
-      if (!(t.panel ? kern.panel : kern.tile)(a, &row)) report(t.r0 + row);
-    }
-    if (pending[chunk].fetch_sub(1, std::memory_order_acq_rel) == 1) finish_chunk(chunks[chunk]);
-  });
+  const size_t n_partial = plan.gemvs.size() * static_cast<size_t>(plan.kblocks);
+  parallel_for(ctx, n_partial + plan.tiles.size(), [&](size_t task) { run_task(run, task); });
   // Every chunk has at least one task: few-row experts need K > 0 (use_gemv), and with no
   // column tile at all (N = 0) there is nothing to finish (the SwiGLU op returns before).
   if (bad_row.load() >= 0)
