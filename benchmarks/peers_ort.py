@@ -258,9 +258,9 @@ def node_providers(model, op_type: str, providers, tokens: int = 8) -> list[str]
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from ort_ops.rewrite import moe
+    from ort_ops.rewrite._graph import synthetic_feeds
 
-    feeds = moe._probe_inputs(ir.load(str(model)).graph, tokens, np.random.default_rng(0))
+    feeds = synthetic_feeds(ir.load(str(model)).graph, tokens, np.random.default_rng(0))
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.log_severity_level = 3

@@ -21,7 +21,7 @@ from onnx import helper
 from benchmarks import eval_perplexity as ev
 from benchmarks import peers_ort
 from graphs.moe import _qmoe_codes, build_contrib_moe, build_moe
-from ort_ops.ops import moe_layer as ml
+from ort_ops.testing import moe_layer as ml
 from tests.tolerances import (
     MOE_FLOAT_VS_REFERENCE_RTOL,
     QMOE_PEER_FP16_VS_DEQUANTIZED_FLOAT_REL_L2,
