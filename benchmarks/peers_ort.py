@@ -167,14 +167,7 @@ def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int,
     out = node.outputs[0]
     if activations == "float16":
         out = cast(out, ir.DataType.FLOAT, "out")
-    if block.reshape_to_hidden:
-        shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
-        rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
-        shp.outputs[0].name, rs.outputs[0].name = f"{prefix}/Shape_0", f"{prefix}/Reshape_0"
-        nodes += [shp, rs]
-        out = rs.outputs[0]
-    graph.insert_after(block.out.producer(), nodes)
-    moe._replace_value(block.out, out)
+    moe.splice_block(graph, block, prefix, nodes, out)
     return sum(a.nbytes for a in (q1, s1, q2, s2)), node.name
 
 

@@ -993,15 +993,22 @@ def _replace_block(model: ir.Model, block: _Block, weight_layout: str = EKN) -> 
     nodes, out, nbytes = emit_int8_chain(graph, prefix, cand.x, cand.ids, cand.weights, w.w_gate, w.w_up,
                                          w.w_down, weight_layout, b_gate=w.b_gate, b_up=w.b_up, b_down=w.b_down,
                                          act=block.act)
+    return nbytes, splice_block(graph, block, prefix, nodes, out)
+
+
+def splice_block(graph: ir.Graph, block: _Block, prefix: str, nodes: list[ir.Node], out: ir.Value) -> ir.Value:
+    """Puts ``nodes`` (a replacement of ``block`` whose result is ``out`` [T, H]) after the block's
+    output node and makes every use of the block's output read ``out`` (reshaped to the hidden
+    state's shape where the block's output had it). Returns the value that replaced it."""
     if block.reshape_to_hidden:
-        shp = ir.node("Shape", [cand.hidden], name=f"{prefix}/Shape")
+        shp = ir.node("Shape", [block.cand.hidden], name=f"{prefix}/Shape")
         rs = ir.node("Reshape", [out, shp.outputs[0]], name=f"{prefix}/Reshape")
         shp.outputs[0].name, rs.outputs[0].name = f"{prefix}/Shape_0", f"{prefix}/Reshape_0"
-        nodes += [shp, rs]
+        nodes = nodes + [shp, rs]
         out = rs.outputs[0]
     graph.insert_after(block.out.producer(), nodes)
     _replace_value(block.out, out)
-    return nbytes, out
+    return out
 
 
 def _dense_projection(v: ir.Value) -> tuple[ir.Value, np.ndarray] | None:
