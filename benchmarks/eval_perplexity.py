@@ -173,15 +173,18 @@ def score_paged(model, windows: np.ndarray, score: int, *, block_size: int = 16,
                 threads: int | None = None, device: str = "cpu") -> np.ndarray:
     """NLL [W, score] through the paged runtime: all windows prefilled with their first
     L - score tokens in one packed step, then decoded one true token per step, together."""
-    from ort_ops.runtime import PagedKVCache, PagedRunner, paged_metadata
+    from ort_ops.runtime import PagedKVCache, PagedRunner, graph_scratch_blocks, paged_metadata
 
     w, length = windows.shape
     if not 0 < score < length:
         raise ValueError(f"eval_perplexity: --score must be in 1..{length - 1} for {length}-token windows, got {score}")
     meta = paged_metadata(model)
     blocks = w * -(-length // meta["block_size"]) + 1
+    # On "cuda" the decode steps run as CUDA graphs, as a user's would: the cache carries the
+    # scratch blocks their padding rows write to.
     cache = PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], blocks,
-                         device="cuda" if device == "cuda" else None)
+                         device="cuda" if device == "cuda" else None,
+                         scratch_blocks=graph_scratch_blocks(meta["block_size"]) if device == "cuda" else 0)
     runner = PagedRunner(model, cache, device=device, intra_op_threads=threads)
     out = np.zeros((w, score), np.float64)
     prefill = length - score

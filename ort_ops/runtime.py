@@ -194,18 +194,6 @@ class BlockAllocator:
         blocks = np.asarray(table, np.int64)[pos // self.block_size]
         return blocks * self.block_size + pos % self.block_size
 
-    def set_aside(self, count: int) -> list[int]:
-        """Takes ``count`` free blocks out of the pool for good (the highest numbers) and returns
-        them: scratch that no sequence is ever given (the padding rows of captured decode steps
-        write there)."""
-        if count > len(self._free):
-            raise RuntimeError(f"ort_ops.runtime: KV cache full: {count} scratch block(s) wanted, "
-                               f"{len(self._free)} free of {self.num_blocks}")
-        self._free.sort(reverse=True)
-        taken = self._free[:count]
-        del self._free[:count]
-        return taken
-
     def release(self, seq_id) -> None:
         """Returns the sequence's blocks to the pool."""
         for b in self.tables.pop(seq_id, []):
@@ -220,10 +208,14 @@ class PagedKVCache:
     ``device=None`` (the default): numpy buffers (``buffers``) that OrtValues wrap without copying.
     ``device="cuda"`` (or "cpu"): OrtValues that ORT allocated on that device (``values``), zeroed
     once; they never leave it. ``layer_arrays(i)`` reads either kind back as numpy.
+
+    ``scratch_blocks`` more blocks follow the ``num_blocks`` the allocator hands out (ids
+    num_blocks..): no sequence is given them; the padding rows of PagedRunner's decode buckets
+    write there (``scratch``).
     """
 
     def __init__(self, num_layers: int, layer_dims: Sequence[Sequence[int]], block_size: int,
-                 num_blocks: int, *, device: str | None = None):
+                 num_blocks: int, *, device: str | None = None, scratch_blocks: int = 0):
         if device is not None and device not in DEVICES:
             raise ValueError(f"ort_ops.runtime: cache device must be one of {', '.join(DEVICES)}, got {device!r}")
         if device == "cuda":
@@ -231,13 +223,16 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
+        if scratch_blocks < 0:
+            raise ValueError(f"ort_ops.runtime: scratch_blocks must be >= 0, got {scratch_blocks}")
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.scratch = list(range(num_blocks, num_blocks + scratch_blocks))
         self.buffers: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self.values: list = []  # per layer [key, value, key_scale, value_scale] OrtValues (device set)
         self._nbytes = 0
         for i in range(num_layers):
             hkv, d = layer_dims[i]
-            specs = cache_shapes(num_blocks, hkv, block_size, d)
+            specs = cache_shapes(num_blocks + scratch_blocks, hkv, block_size, d)
             self._nbytes += sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in specs)
             if device is None:
                 self.buffers.append(tuple(np.zeros(shape, dt) for shape, dt in specs))
@@ -245,12 +240,18 @@ class PagedKVCache:
                 self.values.append([_zeros_ortvalue(shape, dt, device) for shape, dt in specs])
 
     @classmethod
-    def for_model(cls, model, num_blocks: int = 256, *, device: str | None = None) -> PagedKVCache:
+    def for_model(cls, model, num_blocks: int = 256, *, device: str | None = None,
+                  scratch_blocks: int | None = None) -> PagedKVCache:
+        """A cache for a paged model; ``scratch_blocks`` None: the decode buckets' on "cuda"
+        (``graph_scratch_blocks``), none elsewhere."""
         meta = paged_metadata(model)
         if meta is None:
             raise ValueError(f"ort_ops.runtime: the model is not paged (no '{PAGED_META_KEY}' metadata); "
                              "rewrite it with `ort-ops rewrite` first")
-        return cls(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks, device=device)
+        if scratch_blocks is None:
+            scratch_blocks = graph_scratch_blocks(meta["block_size"]) if device == "cuda" else 0
+        return cls(meta["num_layers"], meta["layer_dims"], meta["block_size"], num_blocks, device=device,
+                   scratch_blocks=scratch_blocks)
 
     @property
     def nbytes(self) -> int:
@@ -308,6 +309,12 @@ def _bucket_width(width: int, block_size: int) -> int:
     else:
         rounded = -(-tokens // _WIDTH_STEP_TOKENS) * _WIDTH_STEP_TOKENS
     return max(width, -(-rounded // block_size))
+
+
+def graph_scratch_blocks(block_size: int, max_batch: int = GRAPH_BATCH_SIZES[-1]) -> int:
+    """Cache blocks the padding rows of decode buckets up to ``max_batch`` sequences write to
+    (one slot each, max_batch - 1 rows at most)."""
+    return -(-(max_batch - 1) // block_size)
 
 
 def _with_cuda_graph(providers: Sequence) -> list:
@@ -390,11 +397,13 @@ class PagedRunner:
         self._graph_sizes = sorted({int(b) for b in graph_batch_sizes})
         if want_graphs and (not self._graph_sizes or self._graph_sizes[0] < 1):
             raise ValueError(f"ort_ops.runtime: graph_batch_sizes must be positive, got {list(graph_batch_sizes)}")
-        # A cache made here gets the decode buckets' scratch blocks on top of num_blocks; a given
-        # cache gives them from its free blocks.
-        scratch_blocks = -(-(self._graph_sizes[-1] - 1) // meta["block_size"]) if want_graphs else 0
+        # A cache made here gets the decode buckets' scratch blocks beside its num_blocks; a given
+        # cache must have them (PagedKVCache.for_model(..., device="cuda") does), or decode steps
+        # run without graphs: taking them from its blocks would shrink what its owner sized.
+        scratch_blocks = graph_scratch_blocks(meta["block_size"], self._graph_sizes[-1]) if want_graphs else 0
         self.cache = cache or PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"],
-                                           num_blocks + scratch_blocks, device=self.device if on_device else None)
+                                           num_blocks, device=self.device if on_device else None,
+                                           scratch_blocks=scratch_blocks)
         if self.cache.block_size != meta["block_size"]:
             raise ValueError(f"ort_ops.runtime: cache block size {self.cache.block_size} != the model's "
                              f"{meta['block_size']}")
@@ -438,16 +447,15 @@ class PagedRunner:
         self._buckets: dict = {}  # (sequences, block-table width) -> _DecodeBucket
         self.graph_steps = 0  # steps that ran in a bucket (captured or replayed on "cuda")
         if want_graphs:
-            alloc = self.cache.allocator
             pad_rows = self._graph_sizes[-1] - 1
-            try:
-                scratch = alloc.set_aside(scratch_blocks)
-            except RuntimeError:
+            if len(self.cache.scratch) < scratch_blocks:
                 want_graphs = False
-                self.graph_note = "no free cache block for the padding rows of decode buckets"
+                self.graph_note = (f"the cache has {len(self.cache.scratch)} scratch block(s), the decode buckets' "
+                                   f"padding rows need {scratch_blocks} (PagedKVCache(..., scratch_blocks=N))")
             else:
-                bs = alloc.block_size
-                self._pad_slots = np.asarray([b * bs + o for b in scratch for o in range(bs)][:pad_rows], np.int64)
+                bs = self.cache.block_size
+                self._pad_slots = np.asarray([b * bs + o for b in self.cache.scratch for o in range(bs)][:pad_rows],
+                                             np.int64)
         self.cuda_graph = want_graphs
         if self.device == "cuda" and want_graphs:
             import onnxruntime as ort

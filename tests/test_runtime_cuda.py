@@ -85,12 +85,14 @@ def test_cuda_graph_decode_steps_equal_steps_run_node_by_node(rng):
         assert a.shape == b.shape and np.isfinite(b).all()
         np.testing.assert_allclose(b, a, atol=1e-3, rtol=0)
         np.testing.assert_array_equal(b.argmax(-1), a.argmax(-1))
-    # buckets (4 sequences, width 2), (4, 4) and (1, 1); the step where a one-token prompt joins
-    # three decodes reads a 3-block table: (4, 4) again. Each bucket has its own graph id.
+    # buckets (4 sequences, width 2), (4, 4), (1, 1) and (1, 2): the step where a one-token prompt
+    # joins three decodes reads a 3-block table, (4, 4) again; sequence 0 reaches 17 tokens (two
+    # blocks) in its last step. Each bucket has its own graph id.
     assert graph.graph_steps == 13, graph.graph_steps
-    assert sorted(graph._buckets) == [(1, 1), (4, 2), (4, 4)], sorted(graph._buckets)
+    assert sorted(graph._buckets) == [(1, 1), (1, 2), (4, 2), (4, 4)], sorted(graph._buckets)
     ids = [b.run.get_run_config_entry("gpu_graph_id") for b in graph._buckets.values()]
-    assert sorted(ids) == ["1", "2", "3"], ids
+    assert sorted(ids) == ["1", "2", "3", "4"], ids
+    assert graph.cache.scratch and plain.cache.scratch == []  # scratch beside the 40 blocks asked for
 
 
 def test_cuda_generate_follows_cpu_generate(rng):

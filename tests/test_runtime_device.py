@@ -69,12 +69,12 @@ def test_decode_buckets_equal_the_device_path(rng):
         np.testing.assert_array_equal(a, b)
     # decode steps of 3, 2, 3 and 4 sequences: buckets of 4 and 2 rows
     assert bucketed.graph_steps == 4 and sorted(s for s, _ in bucketed._buckets) == [2, 4]
-    # the scratch block (7 padding rows of block size 8: one), added to the 16 asked for, is never
-    # given to a sequence
-    assert bucketed.cache.num_blocks == 17 and bucketed.cache.allocator.free_blocks == plain.cache.allocator.free_blocks
-    scratch = set(range(17)) - set(bucketed.cache.allocator._free) - {
-        b for t in bucketed.cache.allocator.tables.values() for b in t}
-    assert scratch == {16}
+    # the scratch block (7 padding rows of block size 8: one) follows the 16 blocks asked for and
+    # is never given to a sequence; the padding rows wrote there
+    assert bucketed.cache.scratch == [16] and bucketed.cache.allocator.num_blocks == 16
+    assert bucketed.cache.allocator.free_blocks == plain.cache.allocator.free_blocks
+    assert all(16 not in t for t in bucketed.cache.allocator.tables.values())
+    assert np.any(bucketed.cache.layer_arrays(0)[2][16] != 0)  # key scales of padding rows' slots
     live = sorted({b for t in plain.cache.allocator.tables.values() for b in t})
     assert live == sorted({b for t in bucketed.cache.allocator.tables.values() for b in t})
     for layer in range(plain.meta["num_layers"]):
@@ -98,6 +98,31 @@ def test_bucket_widths_bound_the_idle_grid():
                 assert got * bs - tokens < 1024 + bs and (got * bs) % 1024 == 0, (bs, width, got)
             prev = got
     assert _bucket_width(65, 64) == 80  # 4160 tokens -> 5120, not 8192
+
+
+def test_a_given_cache_without_scratch_blocks_runs_without_buckets(rng):
+    """A cache sized by its owner keeps every block: without scratch blocks the runner does not
+    take any for padding rows (decode steps then run as ordinary Runs, graph_note says why); with
+    them it uses those and nothing else."""
+    model = _paged_model()
+    meta = ort_ops.runtime.paged_metadata(model)
+    exact = PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], 4, device="cpu")
+    runner = PagedRunner(model, exact, cuda_graph=True, graph_batch_sizes=(1, 2, 4))
+    assert not runner.cuda_graph and "scratch block" in runner.graph_note
+    runner.step({"a": list(rng.integers(3, 64, 15)), "b": list(rng.integers(3, 64, 15))})
+    runner.step({"a": [3], "b": [4]})  # all 4 blocks in use: the exact size still fits
+    assert exact.allocator.free_blocks == 0 and runner.graph_steps == 0
+    with_scratch = PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], 4, device="cpu",
+                                scratch_blocks=1)
+    runner = PagedRunner(model, with_scratch, cuda_graph=True, graph_batch_sizes=(1, 2, 4))
+    assert runner.cuda_graph
+    runner.step({"a": list(rng.integers(3, 64, 15)), "b": list(rng.integers(3, 64, 15))})
+    runner.step({"a": [3], "b": [4]})
+    assert with_scratch.allocator.free_blocks == 0 and runner.graph_steps == 1
+    for_cuda = PagedKVCache.for_model(model, 4, device="cpu", scratch_blocks=None)
+    assert for_cuda.scratch == []  # scratch by default on "cuda" only
+    with pytest.raises(ValueError, match="scratch_blocks must be >= 0"):
+        PagedKVCache(meta["num_layers"], meta["layer_dims"], meta["block_size"], 4, scratch_blocks=-1)
 
 
 def test_decode_buckets_need_a_device_cache():
