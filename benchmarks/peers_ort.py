@@ -67,34 +67,6 @@ QMOE_ROUTING = {
 }
 
 
-def _probes(model, cands, probe_ids: np.ndarray | None) -> list[dict]:
-    """Probe runs of the unmodified model as ort_ops.rewrite.moe.fuse_moe makes them (a prompt,
-    one token, a longer prompt when an expert was missed), plus one on ``probe_ids`` [S] when given:
-    every candidate's router input, ids, weights, hidden state and post-dominators."""
-    from ort_ops.rewrite import moe
-    from ort_ops.rewrite._graph import Prober, synthetic_feeds
-
-    wanted = []
-    for c in cands:
-        wanted += [c.x, c.ids, c.weights, c.hidden] + c.outs
-    wanted = list({id(v): v for v in wanted}.values())
-    prober = Prober(model, wanted)
-
-    def run(tokens: int) -> dict:  # as fuse_moe probes: synthetic feeds seeded by the token count
-        return prober.run(synthetic_feeds(prober.model.graph, tokens, np.random.default_rng(tokens)))
-
-    probes = [run(t) for t in moe.PROBE_TOKENS[:2]]
-    if probe_ids is not None:
-        feeds = synthetic_feeds(prober.model.graph, int(probe_ids.size), np.random.default_rng(0))
-        ids_name = next(n for n in feeds if n.endswith("input_ids"))
-        feeds[ids_name] = np.asarray(probe_ids, feeds[ids_name].dtype).reshape(1, -1)
-        probes.append(prober.run(feeds))
-    if any(np.unique(np.concatenate([p[c.ids.name].reshape(-1) for p in probes])).size < c.num_experts
-           for c in cands):
-        probes.append(run(moe.PROBE_TOKENS[2]))
-    return probes
-
-
 def _router_logits(cand):
     """The router's logits [T, E] (the value QMoE's router_probs input takes) and, for a softmax
     router, the graph's softmax of them; or a reason string."""
@@ -203,10 +175,11 @@ def rewrite_to_qmoe(src, dst, bits: int = 8, *, probe_ids: np.ndarray | None = N
         return report
     cands, declined = moe._candidates(model.graph)
     report["declined"] += [{"where": d.where, "reason": d.reason} for d in declined]
-    probes = _probes(model, cands, probe_ids) if cands else []
+    # The probes fuse_moe proves blocks with, plus the text probe when given.
+    probes = moe.probe_candidates(model, cands, probe_ids) if cands else []
     done = []
     for c in cands:
-        hit = set(np.unique(np.concatenate([p[c.ids.name].reshape(-1) for p in probes])).tolist())
+        hit = moe._hit(c, probes)
         try:
             if len(hit) < c.num_experts:
                 raise moe._Declined(f"experts {sorted(set(range(c.num_experts)) - hit)} were never selected "

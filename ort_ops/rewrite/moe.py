@@ -98,7 +98,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.ops._moe import EKN, EN16K4, OAI_ALPHA, OAI_LIMIT, WEIGHT_LAYOUTS, moe_experts_float, pack_en16k4
 from ort_ops.ops._quant import quantize_expert_weights
-from ort_ops.rewrite._graph import Prober, attr_int, const_array, fold_const, has_bfloat16, synthetic_feeds
+from ort_ops.rewrite._graph import (Prober, attr_int, const_array, fold_const, has_bfloat16, named_values,
+                                    same_values, synthetic_feeds)
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -996,6 +997,78 @@ def _replace_block(model: ir.Model, block: _Block, weight_layout: str = EKN) -> 
     return nbytes, splice_block(graph, block, prefix, nodes, out)
 
 
+def probe_candidates(model: ir.Model, cands: list[_Candidate], text_ids: np.ndarray | None = None) -> list[dict]:
+    """The probe runs that prove MoE blocks: the arrays of every candidate's router input, routing
+    ids and weights, hidden state and post-dominators on runs of the unchanged model. A
+    PROBE_TOKENS[0]-token prompt and a single token; ``text_ids`` [S] (real text) when given; a
+    longer prompt when the first missed an expert; and, for experts no run picked, one run of a
+    copy with the routing ids forced over every expert (``_forced_probe``; when it cannot be made,
+    those candidates stay short of experts and decline). Raises what the original model raises on
+    a probe."""
+    wanted: list[ir.Value] = []
+    for c in cands:
+        wanted += [c.x, c.ids, c.weights, c.hidden] + c.outs
+    wanted = list({id(v): v for v in wanted}.values())
+    prober = Prober(model, wanted)
+
+    def run(tokens: int) -> dict:
+        return prober.run(synthetic_feeds(prober.model.graph, tokens, np.random.default_rng(tokens)))
+
+    probes = [run(t) for t in PROBE_TOKENS[:2]]
+    if text_ids is not None:
+        feeds = synthetic_feeds(prober.model.graph, int(text_ids.size), np.random.default_rng(0))
+        ids_name = next(n for n in feeds if n.endswith("input_ids"))
+        feeds[ids_name] = np.asarray(text_ids, feeds[ids_name].dtype).reshape(1, -1)
+        probes.append(prober.run(feeds))
+    # A long prompt hitting every expert checks every expert's weights; retry longer if not.
+    if any(np.unique(probes[0][c.ids.name]).size < c.num_experts for c in cands):
+        probes.append(run(PROBE_TOKENS[2]))
+    # Experts no run picked: a router may rarely or never pick an expert on any text, and random
+    # routers concentrate deep layers on few experts.
+    missed = [c for c in cands if len(_hit(c, probes)) < c.num_experts]
+    if missed:
+        try:
+            probes.append(_forced_probe(model, missed, wanted, probes[0]))
+        except Exception:  # noqa: BLE001 - those candidates decline as never-selected experts
+            pass
+    return probes
+
+
+def _hit(cand: _Candidate, probes: list[dict]) -> set:
+    """The experts ``cand``'s router picked on any of ``probes``."""
+    return set(np.unique(np.concatenate([p[cand.ids.name].reshape(-1) for p in probes])).tolist())
+
+
+def _forced_probe(model: ir.Model, cands: list[_Candidate], wanted: list[ir.Value], probe: dict) -> dict:
+    """``wanted``'s values on a copy of ``model`` in which each candidate's routing ids [T, K] are a
+    graph input fed (t * K + j) mod E: every expert gets tokens, K distinct ones a token. The ids
+    are all the experts read of the router (the routing weights come as the graph computes them),
+    so the block's output on this probe is what its experts make of these assignments, which is
+    what _analyze checks our reading of their weights against. ``probe`` (an ordinary probe's
+    arrays) gives the ids' element type. The arrays come back under the original values' names,
+    the ids as fed."""
+    work = model.clone()
+    by_name = {v.name: v for v in named_values(work.graph)}
+    tokens = max(PROBE_TOKENS[0], max(-(-2 * c.num_experts // c.k) for c in cands))
+    feeds = synthetic_feeds(work.graph, tokens, np.random.default_rng(tokens))
+    forced = {}
+    for c in cands:
+        ids = by_name[c.ids.name]
+        dtype = probe[c.ids.name].dtype
+        if c.k > c.num_experts or probe[c.ids.name].ndim != 2 or ids.is_graph_output():
+            raise _Declined(f"routing ids {c.ids.name} cannot be forced")
+        arr = (np.arange(tokens * c.k) % c.num_experts).reshape(tokens, c.k).astype(dtype)
+        value = ir.Value(name=f"ort_ops_forced_ids/{c.ids.name}", type=ir.TensorType(ir.DataType.from_numpy(dtype)),
+                         shape=ir.Shape([tokens, c.k]))
+        work.graph.inputs.append(value)
+        ids.replace_all_uses_with(value)
+        feeds[value.name] = arr
+        forced[c.ids.name] = arr
+    out = Prober(work, same_values(work, wanted)).run(feeds)
+    out.update(forced)
+    return out
+
+
 def splice_block(graph: ir.Graph, block: _Block, prefix: str, nodes: list[ir.Node], out: ir.Value) -> ir.Value:
     """Puts ``nodes`` (a replacement of ``block`` whose result is ``out`` [T, H]) after the block's
     output node and makes every use of the block's output read ``out`` (reshaped to the hidden
@@ -1328,25 +1401,9 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
                                            "element type: the Casts the INT8 chain needs cannot be placed"))
             cands.remove(c)
     if cands:
-        wanted: list[ir.Value] = []
-        for c in cands:
-            wanted += [c.x, c.ids, c.weights, c.hidden] + c.outs
-        wanted = list({id(v): v for v in wanted}.values())
         probes, probe_error = [], None
         try:
-            prober = Prober(model, wanted)
-
-            def run(tokens: int) -> dict:
-                return prober.run(synthetic_feeds(prober.model.graph, tokens, np.random.default_rng(tokens)))
-
-            for t in PROBE_TOKENS[:2]:
-                probes.append(run(t))
-            # A long prompt hitting every expert checks every expert's weights; retry longer if not.
-            for c in cands:
-                hit = np.unique(probes[0][c.ids.name])
-                if hit.size < c.num_experts:
-                    probes.append(run(PROBE_TOKENS[2]))
-                    break
+            probes = probe_candidates(model, cands)
         except Exception as e:  # the original model itself fails on a probe: nothing is provable
             probe_error = ("the original model fails on probe inputs (a 1-token or longer prompt): a graph "
                            "specialized to its example input, e.g. a trace of the experts it hit, cannot be "
@@ -1356,7 +1413,7 @@ def fuse_moe(model: ir.Model, options=None) -> FusionResult:
             if probe_error:
                 result.declined.append(Decline(c.topk.name, probe_error))
                 continue
-            hit = set(np.unique(np.concatenate([p[c.ids.name].reshape(-1) for p in probes])).tolist())
+            hit = _hit(c, probes)
             try:
                 if len(hit) < c.num_experts:
                     raise _Declined(f"experts {sorted(set(range(c.num_experts)) - hit)} were never selected "

@@ -240,6 +240,33 @@ def _routing(x, w, routing):
     return ml.route(x, w.router, K, renormalize=routing in ("softmax_topk_renorm", "topk_softmax"))
 
 
+def test_expert_the_router_never_picks_is_verified_by_forced_routing(rng):
+    """A router that never picks one expert (a -1e4 bias on its logit) leaves that expert's weights
+    unexercised on any probe text; the rewrite then probes a copy whose routing ids are forced
+    over every expert, and fuses. With the bias taken out of both models afterwards, the expert is
+    picked, and the fused block computes the INT8 reference with its weights too."""
+    from onnx import numpy_helper
+
+    w = ml.random_moe_weights(rng, H, I, E)
+    proto = build_moe(w, K)
+    gemm = next(n for n in proto.graph.node if n.op_type == "Gemm")  # the router
+    proto.graph.initializer.append(numpy_helper.from_array(np.array([0.0] * (E - 1) + [-1e4], np.float32),
+                                                           "never_bias"))
+    gemm.input.append("never_bias")
+    x = rng.standard_normal((37, H)).astype(np.float32)
+    ids, _ = ml.route(x, w.router, K, renormalize=True)
+    assert (ids == E - 1).any()  # without the bias the expert is picked on these tokens
+    fused, result = _fuse_proto(proto)
+    assert result.fused == 1 and not result.declined, result.declined
+    for model in (proto, fused):
+        router = next(n for n in model.graph.node if n.op_type == "Gemm")
+        assert list(router.input)[-1] == "never_bias"
+        del router.input[2]
+    got = _session(fused).run(None, {"x": x})[0]
+    want = ml.moe_layer_int8_reference(x, ml.quantize_moe_weights(w), *ml.route(x, w.router, K, renormalize=True))
+    assert np.max(np.abs(got - want)) <= MOE_REWRITE_VS_INT8_REFERENCE_REL * np.max(np.abs(want))
+
+
 @pytest.mark.parametrize("routing", ["softmax_topk_renorm", "softmax_topk", "topk_softmax"])
 def test_unrolled_block_fused_equals_int8_reference(rng, routing):
     w = ml.random_moe_weights(rng, H, I, E)
