@@ -35,7 +35,6 @@ Usage: ``python graphs/export_moe_families.py [--out tests/fixtures/moe] [--only
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
@@ -45,7 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from graphs.export_moe_fixtures import (  # noqa: E402
     HIDDEN,
     VOCAB,
-    export_fixture,
+    export_all,
     export_torch_dynamo,
     export_torch_legacy,
 )
@@ -120,16 +119,7 @@ FIXTURES = {
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/moe"))
-    ap.add_argument("--only", nargs="*", help="fixture names (default: all)")
-    args = ap.parse_args(argv)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, (make, export) in FIXTURES.items():
-        if not args.only or name in args.only:
-            export_fixture(name, make, export, out, GENERATED_NOTE)
-            _readme_line(out / "README.md", name)
+    export_all(FIXTURES, __doc__, argv, GENERATED_NOTE, after=lambda out, name: _readme_line(out / "README.md", name))
     return 0
 
 

@@ -233,16 +233,26 @@ def export_fixture(name: str, make, export, out: pathlib.Path, note: str = GENER
     print(f"{name}: {(out / f'{name}.onnx').stat().st_size / 1024:.0f} KiB")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def export_all(fixtures: dict, doc: str, argv=None, note: str = GENERATED_NOTE, after=None) -> pathlib.Path:
+    """The command line both fixture scripts take (``--out``, ``--only``) and their loop: exports
+    each selected fixture of ``fixtures`` (name -> (make, export)), calling ``after(out, name)``
+    after each; returns the output folder."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parents[1] / "tests/fixtures/moe"))
     ap.add_argument("--only", nargs="*", help="fixture names (default: all)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, (make, export) in FIXTURES.items():
+    for name, (make, export) in fixtures.items():
         if not args.only or name in args.only:
-            export_fixture(name, make, export, out)
+            export_fixture(name, make, export, out, note)
+            if after is not None:
+                after(out, name)
+    return out
+
+
+def main(argv=None) -> int:
+    out = export_all(FIXTURES, __doc__, argv)
     readme = out / "README.md"
     # graphs/export_moe_families.py's fixtures keep their lines.
     kept = [ln for ln in readme.read_text().splitlines() if "export_moe_families.py" in ln] if readme.exists() else []
