@@ -76,7 +76,8 @@ def save_model(model, path) -> None:
 
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
-                  attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True):
+                  attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True,
+                  concat_matmuls: bool = True):
     """Runs the fusions on a model.
 
     Args:
@@ -88,6 +89,8 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         attention, moe: which fusions run.
         norms: RMSNorm chains as ORT's SimplifiedLayerNormalization (one kernel a norm;
             ort_ops/rewrite/rmsnorm.py).
+        concat_matmuls: MatMuls reading one activation with constant weights (Q / K / V, gate /
+            up) as one MatMul of the joined weights and a Split (ort_ops/rewrite/matmul_concat.py).
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
             "EKN" ([E, H, 2I], the default; the fast layout on CPU and pre-Hopper GPUs) or "ENK"
             ([E, 2I, H], transposed offline; the Hopper wgmma kernel's, for prefill-heavy serving
@@ -111,7 +114,8 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
     check_weight_layout(moe_weight_layout)
     m = load_model(model) if isinstance(model, (str, Path)) else model
     options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
-                             attention=attention, moe=moe, moe_weight_layout=moe_weight_layout, norms=norms)
+                             attention=attention, moe=moe, moe_weight_layout=moe_weight_layout, norms=norms,
+                             concat_matmuls=concat_matmuls)
     results = run_fusions(m, options)
     if output is not None:
         save_model(m, output)

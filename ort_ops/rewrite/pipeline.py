@@ -27,6 +27,7 @@ class RewriteOptions:
     moe_shared_expert: str = "int8"  # int8 (one always-on expert through the MoE GEMMs) | float
     moe_weight_layout: str = EKN  # GroupedMatmulSwigluQuant's weight: EKN [E, H, 2I] | ENK [E, 2I, H]
     norms: bool = True  # RMSNorm chains as ORT's SimplifiedLayerNormalization
+    concat_matmuls: bool = True  # MatMuls of one activation as one MatMul and a Split
 
 
 @dataclasses.dataclass
@@ -39,7 +40,7 @@ class Decline:
 
 @dataclasses.dataclass
 class FusionResult:
-    kind: str  # "attention", "moe", "rmsnorm"
+    kind: str  # "attention", "moe", "rmsnorm", "matmul_concat"
     fused: int = 0
     declined: list[Decline] = dataclasses.field(default_factory=list)
     details: dict = dataclasses.field(default_factory=dict)  # per-kind facts (forms matched, bytes, ...)
@@ -55,6 +56,8 @@ FUSIONS: list[tuple[str, str, str]] = [
     ("attention", "attention", "ort_ops.rewrite.paged_attention_int8:fuse_paged_attention_int8"),
     # Norms last: the other fusions match the model as exported (Qwen3's Q/K norms included).
     ("rmsnorm", "norms", "ort_ops.rewrite.rmsnorm:fuse_rmsnorm"),
+    # Joined projections after everything that matches them one by one (attention's Q / K / V).
+    ("matmul_concat", "concat_matmuls", "ort_ops.rewrite.matmul_concat:fuse_matmul_concat"),
 ]
 
 
