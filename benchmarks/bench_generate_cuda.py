@@ -5,7 +5,7 @@ H200). Also runs on the CPU EP at tiny sizes (``--device cpu --tiny``) so the ha
 exercised without a GPU.
 
 Cases: prefill (batch 1, ``--prefill`` tokens, default 2048: the time of the one Run that reads
-the prompt and gives its last logits) and decode (batches ``--batches``, default 1 and 32, each
+the prompt and gives its last token's greedy pick, or its logits: see the engines) and decode (batches ``--batches``, default 1 and 32, each
 sequence with ``--context`` tokens cached, default 4096: the time of one step of one new token per
 sequence). Wall clock per Run/step on the host, ORT synchronizing at the end of each Run; median
 and p90 of ``--repeat`` after ``--warmup``. tokens/s = tokens of the case / median.
@@ -13,10 +13,17 @@ and p90 of ``--repeat`` after ``--warmup``. tokens/s = tokens of the case / medi
 Engines (a row that cannot run prints its reason instead):
   ours       ``ort-ops rewrite`` of the export (INT8 paged KV cache, INT8 MoE) on
              ``ort_ops.runtime.PagedRunner``: caches on the GPU bound in place, the step tables
-             copied once per step, only the last tokens' logits back (what ``generate`` does);
-             decode steps replayed as CUDA graphs (PagedRunner's buckets; the warm-up steps
-             include each bucket's regular Run and its capture).
+             copied once per step; each step is a greedy step (``step_greedy``, what ``generate``
+             runs when it keeps no logits): the model's next_token output (ArgMax of the last
+             tokens' logits, on the GPU) is all that comes back, S int64 token ids, as GenAI's
+             generate_next_token leaves its pick on the device; decode steps replayed as CUDA
+             graphs (PagedRunner's buckets; the warm-up steps include each bucket's regular Run
+             and its capture). A rewrite made before next_token existed takes the argmax on the
+             host (the row's note says so; delete model.int8.onnx to rewrite).
   ours-nograph  the same, every step run node by node (``cuda_graph=False``).
+  ours-logits   the same as ours, each step returning the last tokens' logits to the host as
+             float32 [S, V] (``step``; ``generate(..., return_logits=True)``): what a caller that
+             samples or scores on the host pays.
   ort        the original export on ORT's CUDA EP (fp16), its own past/present cache under
              IOBinding: past on the GPU, present allocated by ORT each Run (concat of the past
              and the new token), logits to the host at decode; at prefill all [1, P, V] logits
@@ -63,7 +70,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ENGINES = ("ours", "ours-nograph", "ort", "ort-gqa", "torch", "genai-fp16", "genai-int4")
+ENGINES = ("ours", "ours-nograph", "ours-logits", "ort", "ort-gqa", "torch", "genai-fp16", "genai-int4")
 
 
 class Skip(Exception):
@@ -137,7 +144,10 @@ def model_dims(path: str) -> dict:
 # --- engines -----------------------------------------------------------------------------------
 
 
-def run_ours(paths, args, prompt, dims, cuda_graph: bool = True):
+def run_ours(paths, args, prompt, dims, cuda_graph: bool = True, greedy: bool = True):
+    """Times prefill and decode steps of PagedRunner: greedy steps (token ids back) or, with
+    ``greedy=False``, steps that return the logits. Returns the times and the prefill's
+    last-token logits (the correctness check, from one logits step outside the timing)."""
     from ort_ops.runtime import PagedRunner, paged_metadata
 
     meta = paged_metadata(paths["rewritten"])
@@ -151,15 +161,19 @@ def run_ours(paths, args, prompt, dims, cuda_graph: bool = True):
     if cuda_graph and args.device == "cuda" and not runner.cuda_graph:
         raise Skip(f"no CUDA graphs: {runner.graph_note}")
     out = {}
+    if greedy and runner.token_name is None:
+        out["note"] = ("greedy steps take the argmax of the logits on the host: model.int8.onnx has no next_token "
+                       "output (rewritten before it existed; delete it to rewrite)")
+    run = runner.step_greedy if greedy else runner.step
     n = [0]
 
-    def prefill():
+    def prefill(step=run):
         n[0] += 1
-        logits = runner.step({f"p{n[0]}": prompt})
+        result = step({f"p{n[0]}": prompt})
         runner.release(f"p{n[0]}")
-        return logits
+        return result
 
-    check = prefill()[0]
+    check = prefill(runner.step)[0]
     out[("prefill", 1)] = timed(prefill, args.warmup, args.repeat)
     rng = np.random.default_rng(1)
     for b in args.batches:
@@ -181,7 +195,7 @@ def run_ours(paths, args, prompt, dims, cuda_graph: bool = True):
                 if todo[s] >= args.context:
                     del todo[s]
         step = {s: [5] for s in seqs}
-        out[("decode", b)] = timed(lambda: runner.step(step), args.warmup, args.repeat)
+        out[("decode", b)] = timed(lambda: run(step), args.warmup, args.repeat)
         for s in seqs:
             runner.release(s)
     return out, check
@@ -450,6 +464,9 @@ def main(argv=None) -> int:
             elif engine == "ours-nograph":
                 results[engine], check = run_ours(paths, args, prompt, dims, cuda_graph=False)
                 checks.setdefault("ours", check)
+            elif engine == "ours-logits":
+                results[engine], check = run_ours(paths, args, prompt, dims, greedy=False)
+                checks.setdefault("ours", check)
             elif engine == "ort":
                 results[engine], checks["ort"] = run_ort(paths["original"], args, prompt, dims)
             elif engine == "ort-gqa":
@@ -471,6 +488,9 @@ def main(argv=None) -> int:
         a, b = checks["ours"], checks["ort"]
         print(f"check (prefill last-token logits, ours vs ort): max abs diff {float(np.max(np.abs(a - b))):.4f}, "
               f"argmax {'same' if int(a.argmax()) == int(b.argmax()) else 'DIFFERENT'}")
+    print("ours, ours-nograph: greedy steps (token ids back); ours-logits: steps returning float32 logits; "
+          "ort, ort-gqa: logits to the host at decode; genai: generate_next_token (its own greedy pick; "
+          "the row reads no tokens back)")
     header = f"{'engine':<13} {'case':<8} {'batch':>5} {'median ms':>10} {'p90 ms':>9} {'tokens/s':>11} {'ours x':>7}"
     print(header)
     print("-" * len(header))

@@ -5,8 +5,11 @@
 A paged model takes, besides its token inputs (``input_ids``, ``position_ids``: int64 [1, T], the
 new tokens of all sequences packed), the step tables below, and per layer i the INT8 cache
 ``kv_cache.{i}.{part}`` as inputs and ``kv_cache_out.{i}.{part}`` as outputs (the runtime binds
-each output to its input's buffer, so a step writes only its new slots). Its
-``metadata_props[PAGED_META_KEY]`` is the JSON whose keys META_KEYS lists (make_metadata, read_metadata).
+each output to its input's buffer, so a step writes only its new slots). Besides the logits it
+has the greedy pick ``next_token`` (int64 ArgMax of the logits over the vocabulary), so a greedy
+decode step can bring back token ids instead of logits. Its ``metadata_props[PAGED_META_KEY]`` is
+the JSON whose keys META_KEYS lists (make_metadata, read_metadata); OPTIONAL_META_KEYS are the
+keys added after version 1 was fixed, absent from paged models written before them.
 
 Alphabet: T packed new tokens, S sequences, M blocks a sequence may hold, N cache blocks,
 Hkv kv heads, Bs block size, D head dim.
@@ -68,16 +71,27 @@ META_KEYS = {
     "position_ids": "name of the positions input",
     "logits": "name of the logits output (or None)",
     "logits_rows": '"last": one row per sequence (its last new token); "all": one per packed token',
+    "next_token": ('name of the greedy token output: ArgMax(logits, axis=-1, keepdims=0) int64, [1, S] '
+                   'or [1, T] as logits_rows says; ties go to the first maximum (select_last_index=0, '
+                   'as np.argmax); None: the model has none (no logits, or written before the key)'),
     "cache_inputs": "[[cache_input_name(i, part) for part in CACHE_PARTS] for each layer]",
     "cache_outputs": "[[cache_output_name(i, part) for part in CACHE_PARTS] for each layer]",
     "removed_inputs": "the original's inputs the paged model no longer has",
     "removed_outputs": "the original's outputs the paged model no longer has",
 }
 
+# Keys a version-1 model may lack (written before the key existed) -> the value read_metadata
+# gives it then. Adding one keeps META_VERSION: older models still read, and mean what they did.
+OPTIONAL_META_KEYS: dict[str, Any] = {"next_token": None}
+
+# The greedy token output's name in the models the rewrite writes.
+NEXT_TOKEN = "ort_ops.next_token"
+
 
 def make_metadata(**fields: Any) -> str:
-    """The metadata JSON of a paged model; every key of META_KEYS must be given, no other."""
-    fields = {"version": META_VERSION, **fields}
+    """The metadata JSON of a paged model; every key of META_KEYS must be given (those of
+    OPTIONAL_META_KEYS may be left out: they get their default), no other."""
+    fields = {"version": META_VERSION, **OPTIONAL_META_KEYS, **fields}
     missing, extra = set(META_KEYS) - set(fields), set(fields) - set(META_KEYS)
     if missing or extra:
         raise ValueError(f"ort_ops.paged_interface: metadata keys missing {sorted(missing)}, unknown {sorted(extra)}")
@@ -85,7 +99,8 @@ def make_metadata(**fields: Any) -> str:
 
 
 def read_metadata(proto) -> dict | None:
-    """The paged metadata of a ModelProto, None if the model is not paged.
+    """The paged metadata of a ModelProto, None if the model is not paged. Keys of
+    OPTIONAL_META_KEYS that the model lacks get their default.
 
     Raises:
         ValueError: metadata of another version, or without a key the runtime needs.
@@ -96,8 +111,8 @@ def read_metadata(proto) -> dict | None:
             if meta.get("version") != META_VERSION:
                 raise ValueError(f"ort_ops.paged_interface: paged metadata version {meta.get('version')!r}, "
                                  f"this ort_ops reads version {META_VERSION}; rewrite the model again")
-            missing = sorted(set(META_KEYS) - set(meta))
+            missing = sorted(set(META_KEYS) - set(meta) - set(OPTIONAL_META_KEYS))
             if missing:
                 raise ValueError(f"ort_ops.paged_interface: paged metadata lacks {missing}; rewrite the model again")
-            return meta
+            return {**OPTIONAL_META_KEYS, **meta}
     return None

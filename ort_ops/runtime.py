@@ -15,13 +15,16 @@ caches and their scales. The runtime binds every ``kv_cache_out.*`` output to th
     cache = PagedKVCache.for_model(model, num_blocks=256)
     runner = PagedRunner(model, cache)
     logits_SV = runner.step({seq_id: new_tokens, ...})       # prefill, then one token per step
+    tokens_S = runner.step_greedy({seq_id: [token], ...})     # the same step, greedy token ids back
     out = generate(model, prompts, max_new_tokens=32, eos_token_id=2)
 
 On ``device="cuda"`` (ORT's CUDA execution provider) every layer's caches are OrtValues that ORT
 allocated on the GPU, bound once as input and output of the same name (in place); each step
 builds the step tables on the host and copies each to the GPU once (one OrtValue per table,
-read by every layer), and only the logits come back. ``cache_on_device=True`` runs that same
-binding path on the CPU EP (OrtValues in host memory), which is how the tests exercise it.
+read by every layer), and only the logits come back, or, for ``step_greedy``, only the greedy
+token ids (the model's ``next_token`` output; the logits stay on the device).
+``cache_on_device=True`` runs that same binding path on the CPU EP (OrtValues in host memory),
+which is how the tests exercise it.
 
 Models that are not paged (an original export, or a prefill-only rewrite) run through
 ``DenseRunner``: left-padded batches, attention_mask and position_ids, past/present fed back when
@@ -333,12 +336,14 @@ def _with_cuda_graph(providers: Sequence) -> list:
 @dataclasses.dataclass
 class _DecodeBucket:
     """A fixed-shape decode step: ``size`` sequences, block tables ``width`` wide; its binding
-    (caches, tables, logits: device OrtValues bound once) and the run options naming its graph."""
+    (caches, tables, logits and greedy tokens: device OrtValues bound once) and the run options
+    naming its graph. ``tokens`` is None for a model without the next_token output."""
     size: int
     width: int
     io: object
     tables: dict
     logits: object
+    tokens: object
     run: object
 
 
@@ -349,7 +354,9 @@ class PagedRunner:
     default) is wrapped per step and the tables are bound as numpy arrays; a device cache (the
     default on ``device="cuda"``, or ``cache_on_device=True``) stays bound in one IOBinding for
     the runner's life, and each step binds only the tables (one device OrtValue each) and the
-    logits (returned to host memory).
+    logits (returned to host memory). ``step_greedy`` runs the same step and returns the greedy
+    token of each sequence: the model's ``next_token`` output (ArgMax over the vocabulary, on the
+    device) is what comes back, the logits stay where ORT computed them.
 
     On "cuda", decode steps also run as CUDA graphs (``cuda_graph``): each bucket of sequence
     count and block-table width has its own binding of fixed-shape device tables and logits;
@@ -429,6 +436,10 @@ class PagedRunner:
             self.session = _session(source, providers, True, intra_op_threads)
         self._float = {i.name: i.type for i in self.session.get_inputs()}
         self.logits_name = meta["logits"] or self.session.get_outputs()[0].name
+        # The greedy token output, where the model has it (paged models written before it have
+        # not: step_greedy then takes the argmax of step's logits on the host).
+        outputs = {o.name for o in self.session.get_outputs()}
+        self.token_name = meta.get("next_token") if meta.get("next_token") in outputs else None
         self._cache_values = []
         self._io = None
         if self.cache.device is None:
@@ -442,6 +453,11 @@ class PagedRunner:
                 for name_in, name_out, ov in zip(ins, outs, self.cache.values[layer]):
                     self._io.bind_ortvalue_input(name_in, ov)
                     self._io.bind_ortvalue_output(name_out, ov)
+            # The logits, then the tokens: the last outputs of the binding, in this order for
+            # its life (binding a name again replaces its value in place).
+            self._io.bind_output(self.logits_name, self.cache.device)
+            if self.token_name is not None:
+                self._io.bind_output(self.token_name, self.cache.device)
             self._step_values: list = []  # the bound tables, alive until the next step rebinds them
         self._plain_run = None
         self._buckets: dict = {}  # (sequences, block-table width) -> _DecodeBucket
@@ -520,21 +536,47 @@ class PagedRunner:
         Returns:
             float32 [S, V]: the logits of each sequence's last new token, in ``batch`` order.
         """
+        return self._step(batch, greedy=False)
+
+    def step_greedy(self, batch: dict) -> np.ndarray:
+        """``step``, returning the greedy next token of each sequence instead of its logits.
+
+        With the model's ``next_token`` output the ArgMax runs in the graph, on the step's device,
+        and only the S token ids come back (the logits stay on the device). A model without it
+        (rewritten before the output existed) gives the argmax of ``step``'s logits, taken here.
+        Either way a tie goes to the first maximal index, as np.argmax.
+
+        Args:
+            batch: as ``step``.
+
+        Returns:
+            int64 [S]: the token id with the largest logit after each sequence's last new token,
+            in ``batch`` order.
+        """
+        if self.token_name is None:
+            return np.argmax(self.step(batch), axis=-1).astype(np.int64)
+        return self._step(batch, greedy=True)
+
+    def _step(self, batch: dict, greedy: bool) -> np.ndarray:
+        """One step of ``batch``: the rows of its last tokens, logits float32 [S, V] or
+        (``greedy``) next tokens int64 [S]."""
         alloc = self.cache.allocator
         named, lens, cu = self._tables(batch)
-        logits = None
+        out = None
         if self.cuda_graph and len(lens) == cu[-1] and len(lens) <= self._graph_sizes[-1]:
-            logits = self._run_bucket(named)  # a decode step: one new token per sequence
-        if logits is None:
-            logits = self._run_host(named) if self._io is None else self._run_device(named)
+            out = self._run_bucket(named, greedy)  # a decode step: one new token per sequence
+        if out is None:
+            out = self._run_host(named, greedy) if self._io is None else self._run_device(named, greedy)
         for seq_id, n in zip(batch, lens):
             alloc.lengths[seq_id] = n
-        rows = logits.reshape(-1, logits.shape[-1])
-        if self.meta.get("logits_rows") == "last":  # lm_head already saw only the last tokens
-            return rows.astype(np.float32)
-        return rows[np.asarray(cu[1:]) - 1].astype(np.float32)
+        # One row per sequence ("last": lm_head already saw only the last tokens) or per packed
+        # token ("all": the last token of sequence s is row cu[s+1] - 1).
+        rows = out.reshape(-1) if greedy else out.reshape(-1, out.shape[-1])
+        if self.meta.get("logits_rows") != "last":
+            rows = rows[np.asarray(cu[1:]) - 1]
+        return rows.astype(np.int64 if greedy else np.float32)
 
-    def _run_host(self, named: dict) -> np.ndarray:
+    def _run_host(self, named: dict, greedy: bool = False) -> np.ndarray:
         io = self.session.io_binding()
         for name, arr in named.items():
             io.bind_cpu_input(name, arr)
@@ -542,11 +584,12 @@ class PagedRunner:
             for name_in, name_out, ov in zip(ins, outs, self._cache_values[layer]):
                 io.bind_ortvalue_input(name_in, ov)
                 io.bind_ortvalue_output(name_out, ov)  # in place: the op writes only new slots
-        io.bind_output(self.logits_name)
+        # The numpy cache runs on the CPU EP: every output is in host memory already.
+        io.bind_output(self.token_name if greedy else self.logits_name)
         self.session.run_with_iobinding(io)
         return io.get_outputs()[-1].numpy()  # the caches stay where they are: no copy
 
-    def _run_device(self, named: dict) -> np.ndarray:
+    def _run_device(self, named: dict, greedy: bool = False) -> np.ndarray:
         import onnxruntime as ort
 
         io = self._io
@@ -554,11 +597,15 @@ class PagedRunner:
         self._step_values = [ort.OrtValue.ortvalue_from_numpy(arr, self.cache.device, 0) for arr in named.values()]
         for name, ov in zip(named, self._step_values):
             io.bind_ortvalue_input(name, ov)
-        # Rebinding by name replaces last step's logits (whose shape differs) with an empty value
-        # that ORT allocates in host memory: the logits are all that comes back.
-        io.bind_output(self.logits_name, "cpu")
+        # Rebinding by name replaces last step's values (whose shapes differ) with empty ones that
+        # ORT allocates: what the step returns in host memory, the other on the device, so only
+        # the logits or only the tokens come back.
+        io.bind_output(self.logits_name, self.cache.device if greedy else "cpu")
+        if self.token_name is not None:
+            io.bind_output(self.token_name, "cpu" if greedy else self.cache.device)
         self._run_checked(io, self._plain_run)
-        return io.get_outputs()[-1].numpy()
+        outs = io.get_outputs()
+        return (outs[-1] if greedy else outs[-2 if self.token_name is not None else -1]).numpy()
 
     def _run_checked(self, io, run_options) -> None:
         """One Run, then what a CUDA op found wrong on the device (a bad table value) as the op's
@@ -586,8 +633,9 @@ class PagedRunner:
     def _bucket(self, size: int, width: int):
         """The bucket of ``size`` sequences and block tables ``width`` wide, made on first use: an
         IOBinding of its own with the caches and fixed-shape device OrtValues for the tables and
-        the logits, bound once (replays read and write those addresses), and the run options
-        that name its graph. None when the logits' vocabulary is symbolic (no fixed shape)."""
+        the logits (and the greedy tokens), bound once (replays read and write those addresses),
+        and the run options that name its graph. None when the logits' vocabulary is symbolic
+        (no fixed shape)."""
         import onnxruntime as ort
 
         key = (size, width)
@@ -613,20 +661,26 @@ class PagedRunner:
         tables[CU_SEQLENS_Q].update_inplace(np.arange(size + 1, dtype=np.int32))
         logits = _zeros_ortvalue((1, size, vocab) if rank == 3 else (size, vocab), dtype, dev)
         io.bind_ortvalue_output(self.logits_name, logits)
+        # The greedy tokens beside the logits: every replay writes both, a greedy step copies
+        # back only these (S int64), a logits step only the logits.
+        tokens = None
+        if self.token_name is not None:
+            tokens = _zeros_ortvalue((1, size) if rank == 3 else (size,), np.int64, dev)
+            io.bind_ortvalue_output(self.token_name, tokens)
         run = ort.RunOptions()
         if self.device == "cuda":
             run.add_run_config_entry("gpu_graph_id", str(len(self._buckets) + 1))
-        bucket = _DecodeBucket(size, width, io, tables, logits, run)
+        bucket = _DecodeBucket(size, width, io, tables, logits, tokens, run)
         self._buckets[key] = bucket
         return bucket
 
-    def _run_bucket(self, named: dict):
+    def _run_bucket(self, named: dict, greedy: bool = False):
         """A decode step (one new token per sequence) in its fixed-shape bucket: the step's tables
         padded to the bucket's rows and width, written into the bound device values in place, and
         one Run, which ORT captures on the bucket's first Runs and replays after. Padding rows
         are one-token sequences at position 0, each writing its own slot of the scratch blocks
         that no sequence is given (repeated slots are refused) and reading only it. Returns the
-        real rows' logits [S, V], or None where no bucket applies."""
+        real rows' logits [S, V] (``greedy``: their tokens [S]), or None where no bucket applies."""
         n = named[SEQ_LENS].shape[0]
         width = named[BLOCK_TABLES].shape[1]
         size = next(b for b in self._graph_sizes if b >= n)
@@ -650,6 +704,8 @@ class PagedRunner:
             bucket.tables[name].update_inplace(arr)
         self._run_checked(bucket.io, bucket.run)
         self.graph_steps += 1
+        if greedy:
+            return bucket.tokens.numpy().reshape(size)[:n]
         return bucket.logits.numpy().reshape(size, -1)[:n]
 
     def release(self, seq_id) -> None:
@@ -799,17 +855,18 @@ def _greedy_paged(runner: PagedRunner, prompts, max_new_tokens, eos, keep_logits
     try:
         while pending:
             batch = _schedule(pending, max_step_tokens)
-            logits = runner.step(batch)
+            # Without logits to keep, the step brings back only each sequence's greedy token.
+            out = runner.step(batch) if keep_logits else runner.step_greedy(batch)
             for row, (sid, toks) in enumerate(batch.items()):
                 i, todo = pending[sid]
                 if len(todo) > len(toks):  # a prompt chunk: its logits predict nothing yet
                     pending[sid] = (i, todo[len(toks):])
                     continue
-                tok = int(np.argmax(logits[row]))
+                tok = int(np.argmax(out[row])) if keep_logits else int(out[row])
                 r = results[i]
                 r.tokens.append(tok)
                 if keep_logits:
-                    r.logits.append(logits[row])
+                    r.logits.append(out[row])
                 step = len(r.tokens)
                 bar.update()
                 if forced is None and eos is not None and tok in eos:

@@ -35,3 +35,25 @@ def test_metadata_is_checked_both_ways():
             p.value = p.value.replace('"version": 1', '"version": 99')
     with pytest.raises(ValueError, match="version 99"):
         pi.read_metadata(proto)
+
+
+def test_optional_keys_may_be_absent():
+    """Keys added after version 1 (next_token) may be missing from a model written before them:
+    read_metadata fills their default; a required key missing is still refused."""
+    import json
+
+    assert set(pi.OPTIONAL_META_KEYS) <= set(pi.META_KEYS)
+    proto = onnx.load_from_string(_paged_model())
+    assert pi.read_metadata(proto)["next_token"] == pi.NEXT_TOKEN
+    (prop,) = [p for p in proto.metadata_props if p.key == pi.PAGED_META_KEY]
+    meta = json.loads(prop.value)
+    del meta["next_token"]
+    prop.value = json.dumps(meta)
+    read = pi.read_metadata(proto)
+    assert read["next_token"] is None and set(read) == set(pi.META_KEYS)
+    fields = {k: v for k, v in meta.items() if k != "version"}
+    assert json.loads(pi.make_metadata(**fields))["next_token"] is None
+    del meta["logits"]
+    prop.value = json.dumps(meta)
+    with pytest.raises(ValueError, match=r"lacks \['logits'\]"):
+        pi.read_metadata(proto)

@@ -8,6 +8,7 @@ onnxruntime-gpu or a CUDA build of the library is missing.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -136,3 +137,44 @@ def test_verify_device_cuda_on_a_fixture(tmp_path, capsys):
     v = json.loads(capsys.readouterr().out)
     assert v["device"] == "cuda" and v["passed"]
     assert v["overall"]["token_agreement"] >= ATTN_REWRITE_GREEDY_AGREEMENT
+
+
+@functools.cache
+def _fp16_paged_model() -> bytes:
+    """The fp16 dynamo fixture rewritten to paged: fp16 logits, whose coarse steps make exact
+    ties at the maximum likelier than float32's."""
+    import onnx_ir as ir
+
+    from ort_ops.rewrite import rewrite_model
+
+    path = pathlib.Path(__file__).resolve().parent / "fixtures" / "attention" / "dynamo_sdpa_kv_fp16.onnx"
+    model, _ = rewrite_model(str(path), block_size=CUDA_BLOCK, moe=False)
+    return ir.serde.serialize_model(model).SerializeToString()
+
+
+@pytest.mark.parametrize("which", ["fp32", "fp16", "tied"])
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graphs", "node_by_node"])
+def test_cuda_greedy_steps_are_the_argmax_of_the_step_logits(rng, which, cuda_graph):
+    """On the GPU the next_token output's ArgMax (ORT's CUDA kernel: cuDNN's reduction with
+    indices, fp16 cast to float32 first) picks np.argmax of the logits that a twin runner's steps
+    bring back, in buckets captured as CUDA graphs and node by node; of a tie, the first index
+    (the tied model: lm_head columns 2i and 2i+1 equal, so every pick must be even). The model's
+    ArgMax must leave the capture possible: the graph runner still runs decode steps as graphs."""
+    from tests.test_runtime_greedy import _drive, _with_tied_logits
+
+    model = {"fp32": lambda: _paged_model(CUDA_BLOCK), "fp16": _fp16_paged_model,
+             "tied": lambda: _with_tied_logits(_paged_model(CUDA_BLOCK))}[which]()
+    prompts = [list(rng.integers(3, 64, n)) for n in (3, 10, 17, 40)]
+    kw = {"num_blocks": 32, "providers": CUDA_FP32, "cuda_graph": cuda_graph}
+    greedy, logits = PagedRunner(model, **kw), PagedRunner(model, **kw)
+    assert greedy.token_name is not None and greedy.cuda_graph == cuda_graph, greedy.graph_note
+    for _ in range(2):  # the second round replays the buckets the first captured
+        for tokens, want in zip(_drive(greedy, prompts, True), _drive(logits, prompts, False)):
+            assert tokens.dtype == np.int64
+            np.testing.assert_array_equal(tokens, np.argmax(want, axis=-1))
+            if which == "tied":
+                assert np.all(tokens % 2 == 0), tokens
+        for r in (greedy, logits):
+            for s in (0, 2, 3):
+                r.release(s)
+    assert greedy.graph_steps == (6 if cuda_graph else 0)

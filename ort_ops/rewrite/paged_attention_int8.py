@@ -69,7 +69,7 @@ from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the CPU kernels'; the CUDA EP refuses 80, 96 by name
 # The paged model's inputs, outputs and metadata: the contract with the runtime.
 from ort_ops.paged_interface import (  # noqa: E402
-    BLOCK_TABLES, CACHE_PARTS, CU_SEQLENS_Q, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, STEP_TABLES,
+    BLOCK_TABLES, CACHE_PARTS, CU_SEQLENS_Q, NEXT_TOKEN, PAGED_META_KEY, SEQ_LENS, SLOT_MAPPING, STEP_TABLES,
     cache_input_name, cache_output_name, cache_shapes, make_metadata)
 
 
@@ -1371,6 +1371,34 @@ def _logits_of_last_tokens(ctx: _Ctx, logits: ir.Value) -> bool:
     return True
 
 
+def _greedy_token_output(ctx: _Ctx, logits: ir.Value) -> ir.Value:
+    """Appends the greedy pick as a graph output: ``NEXT_TOKEN`` = ArgMax(logits, axis=-1,
+    keepdims=0), int64 with the logits' shape less the vocabulary. select_last_index stays at its
+    default 0: of equal maxima the first index, as np.argmax picks. The runtime binds it to the
+    host and leaves the logits on the device, so a greedy step brings back S int64 values instead of
+    S x V floats. Logits other than float32, float16 or double (bfloat16) are cast to float32
+    first: neither ORT's CPU nor its CUDA ArgMax takes bfloat16, and the cast is exact, so the
+    pick and its ties are the same."""
+    graph = ctx.model.graph
+    nodes, x = [], logits
+    if logits.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE):
+        cast = ir.node("Cast", [logits], {"to": int(ir.DataType.FLOAT)}, name=f"{NEXT_TOKEN}/to_float")
+        nodes.append(cast)
+        x = cast.outputs[0]
+        x.dtype = ir.DataType.FLOAT
+    argmax = ir.node("ArgMax", [x], {"axis": -1, "keepdims": 0}, name=f"{NEXT_TOKEN}/ArgMax")
+    nodes.append(argmax)
+    for n in nodes:
+        graph.append(n)
+    token = argmax.outputs[0]
+    token.name = NEXT_TOKEN
+    token.type = ir.TensorType(ir.DataType.INT64)
+    if logits.shape is not None:
+        token.shape = ir.Shape(list(logits.shape)[:-1])
+    graph.outputs.append(token)
+    return token
+
+
 def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
     """Wires the cache outputs and drops past/present/attention_mask; returns a reason when the
     model cannot become paged (then the caller leaves it unchanged)."""
@@ -1413,6 +1441,7 @@ def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
     for o in logits:
         if o.shape is not None and o.shape.rank() == 3:
             o.shape = ir.Shape([1, "num_seqs" if last_only and o is logits[0] else "total_tokens", o.shape[2]])
+    token = _greedy_token_output(ctx, logits[0]) if logits else None
     ctx.model.metadata_props[PAGED_META_KEY] = make_metadata(
         num_layers=n_layers,
         num_kv_heads=int(ctx.layer_dims[0][0]),
@@ -1425,6 +1454,7 @@ def _finish_paged(ctx: _Ctx, fused: int, present_names: dict) -> str | None:
         position_ids=pos[0].name,
         logits=logits[0].name if logits else None,
         logits_rows="last" if last_only else "all",
+        next_token=token.name if token is not None else None,
         cache_inputs=[[cache_input_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
         cache_outputs=[[cache_output_name(i, p) for p in CACHE_PARTS] for i in range(n_layers)],
         removed_inputs=sorted(v.name for v in ctx.past_layer) + ([am.name] if am is not None else []),

@@ -108,7 +108,11 @@ def test_fixture_form_fused(name):
         assert {"slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q"} <= set(names)
         assert not [n for n in names if "past" in n or n == "attention_mask"]
         outs = [o.name for o in m.graph.output]
-        assert outs[0] == "logits" and len(outs) == 1 + 4 * LAYERS
+        # the logits, the caches, and the greedy token picked from the logits (int64 [1, S])
+        assert outs[0] == "logits" and outs[-1] == meta["next_token"] and len(outs) == 2 + 4 * LAYERS
+        token = m.graph.output[-1].type.tensor_type
+        assert token.elem_type == onnx.TensorProto.INT64
+        assert [d.dim_value or d.dim_param for d in token.shape.dim] == [1, "num_seqs"]
     else:
         assert names == [i.name for i in onnx.load(_path(name)).graph.input]
     if name in HALF:
