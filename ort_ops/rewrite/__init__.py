@@ -77,7 +77,7 @@ def save_model(model, path) -> None:
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
                   attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True,
-                  concat_matmuls: bool = True):
+                  concat_matmuls: bool = True, rotary: bool = True):
     """Runs the fusions on a model.
 
     Args:
@@ -91,6 +91,8 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
             ort_ops/rewrite/rmsnorm.py).
         concat_matmuls: MatMuls reading one activation with constant weights (Q / K / V, gate /
             up) as one MatMul of the joined weights and a Split (ort_ops/rewrite/matmul_concat.py).
+        rotary: RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding (one kernel per
+            Q and per K of a layer instead of 7-8, and the Transposes around them; ort_ops/rewrite/rotary.py).
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
             "EKN" ([E, H, 2I], the default; the fast layout on CPU and pre-Hopper GPUs) or "ENK"
             ([E, 2I, H], transposed offline; the Hopper wgmma kernel's, for prefill-heavy serving
@@ -115,7 +117,7 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
     m = load_model(model) if isinstance(model, (str, Path)) else model
     options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
                              attention=attention, moe=moe, moe_weight_layout=moe_weight_layout, norms=norms,
-                             concat_matmuls=concat_matmuls)
+                             concat_matmuls=concat_matmuls, rotary=rotary)
     results = run_fusions(m, options)
     if output is not None:
         save_model(m, output)

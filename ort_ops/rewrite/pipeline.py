@@ -28,6 +28,7 @@ class RewriteOptions:
     moe_weight_layout: str = EKN  # GroupedMatmulSwigluQuant's weight: EKN [E, H, 2I] | ENK [E, 2I, H]
     norms: bool = True  # RMSNorm chains as ORT's SimplifiedLayerNormalization
     concat_matmuls: bool = True  # MatMuls of one activation as one MatMul and a Split
+    rotary: bool = True  # RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding
 
 
 @dataclasses.dataclass
@@ -40,7 +41,7 @@ class Decline:
 
 @dataclasses.dataclass
 class FusionResult:
-    kind: str  # "attention", "moe", "rmsnorm", "matmul_concat"
+    kind: str  # "attention", "moe", "rotary", "rmsnorm", "matmul_concat"
     fused: int = 0
     declined: list[Decline] = dataclasses.field(default_factory=list)
     details: dict = dataclasses.field(default_factory=dict)  # per-kind facts (forms matched, bytes, ...)
@@ -54,6 +55,11 @@ FUSIONS: list[tuple[str, str, str]] = [
     # Attention after MoE: a KV-cache model becomes paged (inputs change), and its checks probe
     # the model with the library registered when it already holds ort_ops nodes.
     ("attention", "attention", "ort_ops.rewrite.paged_attention_int8:fuse_paged_attention_int8"),
+    # RoPE after attention: it needs the paged model (one row of packed tokens, so the per-token
+    # cos/sin rows are the tokens' rows), and the attention rewrite matches the chains as exported.
+    # Before the norms, which match the model as exported (it reads no norm, nor they a RoPE
+    # chain: the order between the two changes nothing).
+    ("rotary", "rotary", "ort_ops.rewrite.rotary:fuse_rotary"),
     # Norms last: the other fusions match the model as exported (Qwen3's Q/K norms included).
     ("rmsnorm", "norms", "ort_ops.rewrite.rmsnorm:fuse_rmsnorm"),
     # Joined projections after everything that matches them one by one (attention's Q / K / V).
