@@ -82,6 +82,7 @@ class _Rope:
     sin: ir.Value
     chain: list[ir.Node]  # the nodes the op replaces
     out: ir.Value
+    dtype: ir.DataType | None = None
 
 
 # --- small integer graphs (the Slice bounds TorchScript computes from Shape) ----------------------
@@ -341,6 +342,22 @@ def _per_token(v: ir.Value) -> ir.Value:
     return v
 
 
+def _dtype(v: ir.Value | None, depth: int = 0) -> ir.DataType | None:
+    """``v``'s element type: its own, a Cast's target, or that of the input of a layout op."""
+    if v is None or depth > 8:
+        return None
+    if v.dtype is not None:
+        return v.dtype
+    n = v.producer()
+    if n is None or n.domain not in ("", "ai.onnx"):
+        return None
+    if n.op_type == "Cast":
+        return ir.DataType(g.attr_int(n, "to"))
+    if n.op_type in ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Identity"):
+        return _dtype(n.inputs[0], depth + 1)
+    return None
+
+
 def _head_dim(x: ir.Value, y: ir.Value) -> int | None:
     """D from the static last dim of x or y, or from the constant target of the Reshape making y."""
     for v in (x, y):
@@ -363,12 +380,12 @@ def _check(rope: _Rope) -> str:
         return "the head dim is not static"
     if d != 2 * rope.half:
         return f"the chain rotates {2 * rope.half} of {d} head dims (partial rotary)"
-    dt = rope.x.dtype
+    dt = rope.dtype = _dtype(rope.x)
     if dt not in _TYPES:
         return f"element type {dt} (RotaryEmbedding has float, float16 and bfloat16 kernels)"
     for v in (rope.cos, rope.sin):
-        if v.dtype is not None and v.dtype != dt:
-            return f"'{v.name}' is {v.dtype}, the rotated tensor {dt}"
+        if _dtype(v) != dt:
+            return f"'{v.name}' is {_dtype(v)}, the rotated tensor {dt}"
     if rope.out.is_graph_output():
         return "the rotated tensor is a graph output"
     if rope.form == "rotate_half":
@@ -556,6 +573,7 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
     if not kept:
         return result
 
+    model.opset_imports.setdefault(MS_DOMAIN, 1)
     position = _const(graph, "rotary_position_offset", np.zeros(1, np.int64))
     to_bsh = _const(graph, "rotary_bsh_shape", np.array([0, 0, -1], np.int64))
     to_bsnd: dict[int, ir.Value] = {}
@@ -578,12 +596,12 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
                                            _const(graph, f"{tok.name}_half_end", np.array([r.half], np.int64)),
                                            _const(graph, f"{tok.name}_half_axis", np.array([-1], np.int64))],
                                  name=f"{tok.name}_rotary_half")
-                    sl.outputs[0].name, sl.outputs[0].dtype = f"{tok.name}_rotary_half", tok.dtype or r.x.dtype
+                    sl.outputs[0].name, sl.outputs[0].dtype = f"{tok.name}_rotary_half", r.dtype
                     new_nodes.append(sl)
                     src = sl.outputs[0]
                 rs = ir.node("Reshape", [src, _const(graph, f"{tok.name}_cache_shape", np.array([-1, r.half], np.int64))],
                              name=f"{tok.name}_rotary_cache")
-                rs.outputs[0].name, rs.outputs[0].dtype = f"{tok.name}_rotary_cache", tok.dtype or r.x.dtype
+                rs.outputs[0].name, rs.outputs[0].dtype = f"{tok.name}_rotary_cache", r.dtype
                 new_nodes.append(rs)
                 caches[id(tok)] = rs.outputs[0]
                 result.details["caches"] += 1
@@ -597,7 +615,7 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
                       attributes={"interleaved": 0}, domain=MS_DOMAIN, name=f"{base}_rotary")
         back = ir.node("Reshape", [rot.outputs[0], to_bsnd[r.half * 2]], name=f"{base}_rotary_out")
         for node, suffix in ((flat, "rotary_in"), (rot, "rotary"), (back, "rotary_bsnd")):
-            node.outputs[0].name, node.outputs[0].dtype = f"{base}_{suffix}", r.x.dtype
+            node.outputs[0].name, node.outputs[0].dtype = f"{base}_{suffix}", r.dtype
         if r.y.shape is not None:
             back.outputs[0].shape = r.y.shape
         new_nodes += [flat, rot, back]
@@ -626,7 +644,7 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
                 others.append(reader)
         if others:
             t = ir.node("Transpose", [back.outputs[0]], attributes={"perm": list(_BNSH)}, name=f"{base}_rotary_bnsh")
-            t.outputs[0].dtype, t.outputs[0].shape = r.out.dtype, r.out.shape
+            t.outputs[0].dtype, t.outputs[0].shape = r.dtype, r.out.shape
             new_nodes.append(t)
             r.out.replace_all_uses_with(t.outputs[0])
             r.out.name = f"{base}_unfused"
