@@ -139,6 +139,18 @@ QMOE_PEER_LOGITS_REL_L2 = {8: 0.02, 4: 0.25}
 # 1.2e-3 (measured); 5e-3 covers a few such ties while a wrong position, slot or layout is off
 # by O(1).
 ATTN_REWRITE_EMULATED_LOGITS_ATOL = 5e-3
+# RoPE fusion (tests/rewrite/test_rotary.py): the paged rewrite with RotaryEmbedding against the
+# same rewrite with the exported chain, Q.K and P.V unquantized, the same tokens. The op and the
+# chain compute x * c +- x' * s in float32 in another order (an ulp or two of q and k), which
+# moves logits of size ~3 by ~1e-6 (measured <= 1.6e-6 on the fixtures); beyond that only a K/V
+# code rounding the other way at a tie, up to 1.2e-3 each (as for ATTN_REWRITE_EMULATED_LOGITS_ATOL).
+# A wrong rotation (interleaved halves, another position) is off by ~1 (measured 0.9-1.9).
+ROTARY_LOGITS_ATOL = 5e-3
+# float16 models: the op rounds each output once to float16; the chain as ORT's CPU provider runs
+# it (float16 Mul/Neg/Add computed in float32 between Casts) too, so they agree (measured 0 on the
+# CPU); a provider running the chain in float16 rounds 3 times, 1.5 ulps (2^-10 relative) of q/k,
+# which a logit of size ~3 (itself float16, ulp 2^-9) carries as a few ulps: 1e-2.
+ROTARY_FP16_LOGITS_ATOL = 1e-2
 # Rewritten (s8/s8) vs the fp32 original, logits of size ~5-10 on the fixtures (initializer_range
 # 0.1): K/V, Q and the 32-token P.V groups each add ~1/254 relative error to the attention
 # output, which the next layers and lm_head carry to the logits; measured max 0.09 over 32
