@@ -17,8 +17,9 @@ def test_rewrite_then_verify(tmp_path, capsys):
     out = tmp_path / "out.onnx"
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    # Two norms a layer and the final one; Q/K/V and gate/up joined in each of the two layers.
-    assert report["fused"] == {"moe": 0, "attention": 2, "rmsnorm": 5, "matmul_concat": 4}
+    # Two norms a layer and the final one; Q/K/V and gate/up joined, RoPE of Q and K, in each of the
+    # two layers.
+    assert report["fused"] == {"moe": 0, "attention": 2, "rotary": 4, "rmsnorm": 5, "matmul_concat": 4}
     att = next(r for r in report["results"] if r["kind"] == "attention")
     assert att["details"]["interface"] == "paged" and att["declined"] == []
     assert main(["verify", "--quiet", str(FIXTURE), str(out), "--json", "--max-new-tokens", "16"]) == 0
@@ -34,8 +35,9 @@ def test_rewrite_text_report_and_flags(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "attention: 2 block(s) fused (matmul: 2), interface: paged" in text
     assert "rmsnorm: 5 block(s) fused" in text
+    assert "rotary: 4 block(s) fused (rotate_half: 4)" in text
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-attention", "--no-norms", "--no-concat-matmuls",
-                 "--json"]) == 0
+                 "--no-rotary", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fused"] == {"moe": 0}
 
 

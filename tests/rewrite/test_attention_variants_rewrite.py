@@ -317,7 +317,8 @@ def _reference_evaluator(model: onnx.ModelProto):
         def run(self, *args, **kwargs):
             return self._run(*args)
 
-    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8, simplified_layer_norm_op()])
+    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8, simplified_layer_norm_op(),
+                                              rotary_embedding_op()])
 
 
 def simplified_layer_norm_op():
@@ -339,6 +340,41 @@ def simplified_layer_norm_op():
             return self._run(*args)
 
     return SimplifiedLayerNormalization
+
+
+def rotary_embedding_op():
+    """ORT's com.microsoft RotaryEmbedding (what the RoPE fusion writes) for onnx's
+    ReferenceEvaluator, rotate_half (interleaved 0) on the whole head: x [B, S, N*D] (or
+    [B, N, S, D]) with D = 2 * the caches' width; token s of a batch row at position
+    position_ids[0] + s (shape [1]) or position_ids[b, s]; computed in float32."""
+    from onnx.reference.op_run import OpRun
+
+    class RotaryEmbedding(OpRun):
+        op_domain = "com.microsoft"
+
+        def _run(self, x, position_ids, cos_cache, sin_cache):
+            a = {att.name: onnx.helper.get_attribute_value(att) for att in self.onnx_node.attribute}
+            assert not a.get("interleaved", 0) and not a.get("rotary_embedding_dim", 0), a
+            h = cos_cache.shape[1]
+            bnsh = x.ndim == 4
+            x32 = x.astype(np.float32)
+            if not bnsh:  # [B, S, N*D] -> [B, N, S, D]
+                b_, s_ = x.shape[:2]
+                x32 = x32.reshape(b_, s_, -1, 2 * h).transpose(0, 2, 1, 3)
+            s_ = x32.shape[2]
+            pos = (position_ids.reshape(-1)[0] + np.arange(s_))[None, :] if position_ids.size == 1 else position_ids
+            c = cos_cache.astype(np.float32)[pos][:, None]  # [B or 1, 1, S, h]
+            t = sin_cache.astype(np.float32)[pos][:, None]
+            x1, x2 = x32[..., :h], x32[..., h:]
+            out = np.concatenate([x1 * c - x2 * t, x2 * c + x1 * t], axis=-1)
+            if not bnsh:
+                out = out.transpose(0, 2, 1, 3).reshape(x.shape)
+            return (out.astype(x.dtype),)
+
+        def run(self, *args, **kwargs):
+            return self._run(*args)
+
+    return RotaryEmbedding
 
 
 def _paged_prefill_logits(model: onnx.ModelProto, prompts: list[list[int]], block_size: int = 16) -> np.ndarray:
