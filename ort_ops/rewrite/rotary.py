@@ -184,6 +184,12 @@ def _last_axis(axis: int, rank: int) -> bool:
     return axis == -1 or axis == rank - 1
 
 
+def _concat_last(n: ir.Node) -> bool:
+    """Concat ``n`` joins along the last axis (rank 4 when its output's rank is not annotated:
+    the chains' tensors are [B, N, S, D])."""
+    return _last_axis(g.attr_int(n, "axis", 0), g.rank(n.outputs[0]) or 4)
+
+
 def _part(v: ir.Value, rank: int) -> tuple[ir.Value, int, int, ir.Node] | None:
     """(source, start, end, node) when ``v`` is a Slice (step 1) or a Split output along the last
     axis of a rank-``rank`` source; end may be _INT_MAX (to the end of the axis)."""
@@ -317,15 +323,12 @@ def _equal_halves(v: ir.Value, h: int) -> tuple[ir.Value | None, str]:
             continue
         if n.op_type in _SCALAR_BINARY and len(n.inputs) == 2:
             consts = [g.const_array(i) for i in n.inputs]
-            if consts[1] is not None and consts[1].size == 1 and consts[0] is None:
-                v = n.inputs[0]
-                continue
-            if n.op_type in ("Mul", "Add") and consts[0] is not None and consts[0].size == 1 and consts[1] is None:
-                v = n.inputs[1]
+            scalar = [c is not None and c.size == 1 for c in consts]
+            if scalar[0] != scalar[1] and (consts[0] is None) != (consts[1] is None):
+                v = n.inputs[0] if scalar[1] else n.inputs[1]
                 continue
             break
-        if n.op_type == "Concat" and len(n.inputs) == 2 and n.inputs[0] is n.inputs[1] and \
-                _last_axis(g.attr_int(n, "axis", 0), g.rank(n.outputs[0]) or 0):
+        if n.op_type == "Concat" and len(n.inputs) == 2 and n.inputs[0] is n.inputs[1] and _concat_last(n):
             d = g.dim(n.inputs[0], -1)
             if d is not None and d != h:
                 return None, f"'{n.name}' concatenates halves of {d} values, not {h}"
@@ -481,7 +484,7 @@ def _candidates(graph: ir.Graph) -> list[tuple[ir.Node, str]]:
     """Concats on the last axis that end a RoPE chain of either form (to match or to decline)."""
     out = []
     for n in graph:
-        if n.op_type != "Concat" or n.domain not in ("", "ai.onnx") or len(n.inputs) != 2:
+        if n.op_type != "Concat" or n.domain not in ("", "ai.onnx") or len(n.inputs) != 2 or not _concat_last(n):
             continue
         if _producer(n.inputs[0], "Neg") is not None:
             out.append((n, "rotate_half"))
