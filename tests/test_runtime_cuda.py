@@ -178,3 +178,38 @@ def test_cuda_greedy_steps_are_the_argmax_of_the_step_logits(rng, which, cuda_gr
             for s in (0, 2, 3):
                 r.release(s)
     assert greedy.graph_steps == (6 if cuda_graph else 0)
+
+
+@pytest.mark.parametrize("name", ["dynamo_sdpa_kv_fp16", "dynamo_sdpa_kv_bf16", "gptoss_sinks_kv"])
+def test_rotary_fusion_in_captured_decode_steps(name, rng):
+    """The RoPE fusion's com.microsoft RotaryEmbedding on the CUDA EP (the [1, T, N*D] input, the
+    constant offset position [0], caches sliced from each step's cos/sin; float16, bfloat16 and
+    float32), in decode steps captured as CUDA graphs and replayed: the logits of the same s8/s8
+    rewrite without it (the CUDA kernels' quantization), on the same GPU, the same steps."""
+    import onnx_ir as ir
+
+    from ort_ops.rewrite import rewrite_model
+    from ort_ops.rewrite._graph import float32_io, has_bfloat16
+    from ort_ops.rewrite.pipeline import RewriteOptions
+    from ort_ops.rewrite.rotary import fuse_rotary
+    from tests.tolerances import ROTARY_CUDA_S8_LOGITS_ATOL
+
+    plain, _ = rewrite_model(str(FIXTURE.parent / f"{name}.onnx"), moe=False, rotary=False)  # s8/s8: CUDA's
+    fused = plain.clone()
+    assert fuse_rotary(fused, RewriteOptions()).fused == 4
+    plan = [dict(enumerate(rng.integers(3, 60, n).tolist() for n in (5, 11, 17)))]
+    plan += [{i: [int(rng.integers(3, 60))] for i in range(3)} for _ in range(6)]  # bucket 4: run, capture, replays
+    plan.append({0: [int(rng.integers(3, 60))], 2: rng.integers(3, 60, 3).tolist()})  # an ordinary packed Run
+
+    def run(model):
+        if has_bfloat16(model):  # onnxruntime's Python API has no bfloat16 arrays: float32 logits
+            model = float32_io(model)
+        runner = PagedRunner(ir.to_proto(model).SerializeToString(), num_blocks=32, providers=CUDA_FP32)
+        assert runner.cuda_graph, runner.graph_note
+        out = [runner.step(s) for s in plan]
+        assert runner.graph_steps == 6, runner.graph_steps
+        return out
+
+    errs = [float(np.abs(a - b).max()) for a, b in zip(run(plain), run(fused))]
+    print(name, "max abs logit difference per step", errs)
+    assert max(errs) <= ROTARY_CUDA_S8_LOGITS_ATOL, errs

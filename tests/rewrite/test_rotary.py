@@ -117,7 +117,7 @@ def _graph(dtype=TensorProto.FLOAT, form="rotate_half", split=False, swap=False,
     inputs = [helper.make_tensor_value_info("y", dtype, [1, "T", N, D]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "T"])]
     graph = helper.make_graph(nodes, "rope", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)])  # ORT >= 1.16
     if paged:  # the two keys the pass reads (the runtime's other keys do not matter here)
         helper.set_model_props(model, {PAGED_META_KEY: json.dumps({"position_ids": "position_ids",
                                                                    "input_ids": "input_ids"})})
