@@ -37,7 +37,8 @@ once per distinct value, and position_ids is the constant [0]: of shape [1] it i
 s reads cache row 0 + s. The op takes the 3-D [B, S, N*D] layout (before the exporter's Transpose;
 both ORT's CPU and CUDA kernels take it), and a reader of ``out`` that is the inverse
 Transpose (the paged attention's) reads the [B, S, N, D] result directly: the two Transposes of
-each Q and K go too.
+each Q and K go too. A Shape reader (TorchScript's) reads the result's shape permuted; any other
+reader keeps a Transpose.
 
 Row s of the cache is token s only when cos/sin have one row of positions ([1, 1, S, W]: batch 1),
 which holds in paged models (``input_ids``/``position_ids`` [1, T], all sequences packed in one
