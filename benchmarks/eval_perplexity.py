@@ -170,9 +170,12 @@ def score_dense(model, windows: np.ndarray, score: int, *, with_library: bool = 
 
 
 def score_paged(model, windows: np.ndarray, score: int, *, block_size: int = 16,
-                threads: int | None = None, device: str = "cpu") -> np.ndarray:
+                threads: int | None = None, device: str = "cpu", chunk: int = 0) -> np.ndarray:
     """NLL [W, score] through the paged runtime: all windows prefilled with their first
-    L - score tokens in one packed step, then decoded one true token per step, together."""
+    L - score tokens in one packed step (``chunk`` > 0: chunked prefill, one window's ``chunk``
+    tokens a step, for models whose float experts gather weights per token), then decoded one
+    true token per step, together. Chunking changes no prediction: each step continues the
+    sequences' caches."""
     from ort_ops.runtime import PagedKVCache, PagedRunner, graph_scratch_blocks, paged_metadata
 
     w, length = windows.shape
@@ -188,7 +191,14 @@ def score_paged(model, windows: np.ndarray, score: int, *, block_size: int = 16,
     runner = PagedRunner(model, cache, device=device, intra_op_threads=threads)
     out = np.zeros((w, score), np.float64)
     prefill = length - score
-    logits = runner.step({i: windows[i, :prefill] for i in range(w)})           # [W, V]: predicts token `prefill`
+    if chunk > 0:
+        last = {}
+        for i in range(w):
+            for start in range(0, prefill, chunk):
+                last[i] = runner.step({i: windows[i, start:min(prefill, start + chunk)]})[0]
+        logits = np.stack([last[i] for i in range(w)])
+    else:
+        logits = runner.step({i: windows[i, :prefill] for i in range(w)})       # [W, V]: predicts token `prefill`
     out[:, 0] = token_nll(logits, windows[:, prefill])
     for j in range(1, score):
         logits = runner.step({i: windows[i, prefill + j - 1:prefill + j] for i in range(w)})
@@ -408,7 +418,8 @@ def evaluate(models_dir: Path, *, contexts, windows: int, score: int, variants, 
                 win = eval_windows(stream, ctx, windows)
                 s = min(score, ctx - 1)
                 t = time.time()
-                nll = (score_paged(str(rew), win, s, block_size=block_size, threads=threads, device=device) if paged else
+                nll = (score_paged(str(rew), win, s, block_size=block_size, threads=threads, device=device,
+                                   chunk=float_chunk) if paged else
                        score_dense(str(rew), win, s, with_library=True, threads=threads, device=device,
                                    chunk=float_chunk))
                 res[str(ctx)] = {**compare_to_float(nll, float_nll[ctx]), "seconds": round(time.time() - t, 1)}

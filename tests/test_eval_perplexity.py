@@ -106,6 +106,17 @@ def test_score_paged_equals_emulated_kv_quantization(paged_kv8, tmp_path):
     assert np.abs(got[:, 1:] - want[:, :-1]).max() > 10 * 2 * ATTN_REWRITE_EMULATED_LOGITS_ATOL
 
 
+def test_score_paged_chunked_prefill_equals_one_step(paged_kv8):
+    """--float-chunk on the paged path: each window's prefill fed 7 tokens a step (its cache
+    continued) gives the NLLs of the one packed prefill step, to float rounding (the quantized
+    cache holds the same codes either way; only the float sums' order in attention may change)."""
+    win, score = _windows(2, 3, 40), 9
+    whole = ev.score_paged(str(paged_kv8), win, score)
+    chunked = ev.score_paged(str(paged_kv8), win, score, chunk=7)
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-4)
+    assert not np.allclose(ev.score_paged(str(paged_kv8), win[:, ::-1].copy(), score, chunk=7), whole, atol=1e-2)
+
+
 def test_gqa_int8_emulation_stores_on_the_grid(tmp_path):
     """Every present K/V of the emulated model is clip(rint(x / s), -128, 127) * s of the float
     model's, with s = calibrated max / 127 per layer (tensor) or per (head, channel)."""
