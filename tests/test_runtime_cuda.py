@@ -213,3 +213,40 @@ def test_rotary_fusion_in_captured_decode_steps(name, rng):
     errs = [float(np.abs(a - b).max()) for a, b in zip(run(plain), run(fused))]
     print(name, "max abs logit difference per step", errs)
     assert max(errs) <= ROTARY_CUDA_S8_LOGITS_ATOL, errs
+
+
+@pytest.mark.parametrize("name", ["dynamo_sdpa_kv_fp16", "dynamo_sdpa_kv_bf16", "dynamo_sdpa_kv"])
+def test_skip_norm_fusion_in_captured_decode_steps(name, rng, monkeypatch):
+    """The norms pass's com.microsoft SkipSimplifiedLayerNormalization (residual Add and norm in one
+    kernel, output 3 the sum for the next residual Add) on the CUDA EP, in decode steps captured as
+    CUDA graphs and replayed: the logits of the same s8/s8 rewrite with the residual Adds left
+    alone (Add + SimplifiedLayerNormalization), on the same GPU, the same steps."""
+    import onnx_ir as ir
+
+    import ort_ops.rewrite.rmsnorm as rmsnorm
+    from ort_ops.rewrite import rewrite_model
+    from ort_ops.rewrite._graph import float32_io, has_bfloat16
+    from tests.tolerances import SKIP_NORM_CUDA_S8_LOGITS_ATOL
+
+    src = str(FIXTURE.parent / f"{name}.onnx")
+    fused, results = rewrite_model(src, moe=False)
+    assert next(r for r in results if r.kind == "rmsnorm").details["skip"] == 4
+    monkeypatch.setattr(rmsnorm, "_residual_add", lambda norm: None)
+    plain, results = rewrite_model(src, moe=False)
+    assert next(r for r in results if r.kind == "rmsnorm").details["skip"] == 0
+    plan = [dict(enumerate(rng.integers(3, 60, n).tolist() for n in (5, 11, 17)))]
+    plan += [{i: [int(rng.integers(3, 60))] for i in range(3)} for _ in range(6)]  # bucket 4: run, capture, replays
+    plan.append({0: [int(rng.integers(3, 60))], 2: rng.integers(3, 60, 3).tolist()})  # an ordinary packed Run
+
+    def run(model):
+        if has_bfloat16(model):  # onnxruntime's Python API has no bfloat16 arrays: float32 logits
+            model = float32_io(model)
+        runner = PagedRunner(ir.to_proto(model).SerializeToString(), num_blocks=32, providers=CUDA_FP32)
+        assert runner.cuda_graph, runner.graph_note
+        out = [runner.step(s) for s in plan]
+        assert runner.graph_steps == 6, runner.graph_steps
+        return out
+
+    errs = [float(np.abs(a - b).max()) for a, b in zip(run(plain), run(fused))]
+    print(name, "max abs logit difference per step", errs)
+    assert max(errs) <= SKIP_NORM_CUDA_S8_LOGITS_ATOL, errs

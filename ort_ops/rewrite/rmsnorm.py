@@ -16,6 +16,17 @@ This pass replaces each chain it can read exactly by one node of ORT's
 
     out = SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=eps, stash_type=1)
 
+Then each norm whose input is a residual ``Add`` of two activations becomes one node of ORT's
+``com.microsoft.SkipSimplifiedLayerNormalization`` (CPU and CUDA kernels; the norm of a
+transformer's residual stream, the node onnxruntime-genai's models use):
+
+    h = Add(a, b); y = SimplifiedLayerNormalization(h, weight)
+    ->  y, _, _, h = SkipSimplifiedLayerNormalization(a, b, weight, epsilon=eps)
+
+(output 3, the sum, only when something else reads ``h``: the next residual Add). One kernel
+instead of two a norm. The kernel sums in float32 and normalizes that sum, where the Add rounded
+``h`` to fp16 first; output 3 is the rounded sum, so the residual stream is unchanged.
+
 The replacement computes the same function: the mean of squares and the reciprocal root in
 float32 (stash_type 1) and the scale by ``weight``; it rounds once where the chain rounded
 ``y`` to x's type before the weight multiply (fp16: within one fp16 ulp of the chain's result).
@@ -143,11 +154,71 @@ def _match(rm: ir.Node):
     return x, w, eps, chain, out
 
 
+MS_DOMAIN = "com.microsoft"
+
+
+def _residual_add(norm: ir.Node) -> ir.Node | None:
+    """The Add feeding ``norm`` (a SimplifiedLayerNormalization over the last axis with float32
+    statistics) when it can become a SkipSimplifiedLayerNormalization: two non-constant inputs of
+    rank 3 (the kernel's [batch, sequence, hidden]) and equal known shapes where known, its sum not
+    a graph output; else None."""
+    if g.attr_int(norm, "axis", -1) != -1 or g.attr_int(norm, "stash_type", 1) != 1 or len(norm.inputs) != 2:
+        return None
+    if norm.outputs[0].is_graph_output():
+        return None
+    add = norm.inputs[0].producer() if norm.inputs[0] is not None else None
+    if add is None or add.op_type != "Add" or add.domain != "" or len(add.inputs) != 2:
+        return None
+    a, b = add.inputs
+    if a is None or b is None or add.outputs[0].is_graph_output():
+        return None
+    if g.const_array(a) is not None or g.const_array(b) is not None:
+        return None
+    if g.rank(a) != 3 or g.rank(b) != 3:
+        return None
+    for axis in range(3):
+        da, db = g.dim(a, axis), g.dim(b, axis)
+        if da is not None and db is not None and da != db:
+            return None
+        if da is None and db is None and a.shape is not None and b.shape is not None and a.shape[axis] != b.shape[axis]:
+            return None
+    if _dtype(a) is None or _dtype(a) != _dtype(b) or _dtype(a) != _dtype(norm.inputs[1]):
+        return None
+    return add
+
+
+def _fuse_skip(graph: ir.Graph, norm: ir.Node, add: ir.Node) -> None:
+    """Replaces ``add`` and ``norm`` by one SkipSimplifiedLayerNormalization (module docstring),
+    placed where the Add was, so that every reader of the sum comes after it."""
+    h, y = add.outputs[0], norm.outputs[0]
+    others = [u for u in h.uses() if u.node is not norm]
+    node = ir.node("SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], norm.inputs[1]],
+                   attributes={"epsilon": norm.attributes["epsilon"].value if "epsilon" in norm.attributes else 1e-5},
+                   domain=MS_DOMAIN, num_outputs=4 if others else 1, name=f"{norm.name or y.name}_skip")
+    graph.insert_before(add, node)
+    out = node.outputs[0]
+    out.dtype, out.shape = y.dtype, y.shape
+    y_name, h_name = y.name, h.name
+    y.replace_all_uses_with(out)
+    if others:
+        for unused in node.outputs[1:3]:
+            unused.name = ""  # optional outputs (mean, inverse std) not produced
+        total = node.outputs[3]
+        total.dtype, total.shape = h.dtype, h.shape
+        h.replace_all_uses_with(total)
+    graph.remove([norm, add], safe=True)
+    out.name = y_name
+    if others:
+        node.outputs[3].name = h_name
+
+
 def fuse_rmsnorm(model: ir.Model, options: RewriteOptions) -> FusionResult:
-    """Replaces every RMSNorm chain of the main graph it can read exactly (module docstring).
+    """Replaces every RMSNorm chain of the main graph it can read exactly, then every norm of a
+    residual Add by SkipSimplifiedLayerNormalization (module docstring).
 
     Returns:
-        FusionResult(kind="rmsnorm"): fused count, details {"dtypes": {x dtype: count}}.
+        FusionResult(kind="rmsnorm"): fused count (chains), details {"dtypes": {x dtype: count},
+        "skip": norms fused with their residual Add}.
     """
     result = FusionResult(kind="rmsnorm")
     graph = model.graph
@@ -181,4 +252,13 @@ def fuse_rmsnorm(model: ir.Model, options: RewriteOptions) -> FusionResult:
         result.fused += 1
         dtypes[str(_dtype(x))] = dtypes.get(str(_dtype(x)), 0) + 1
     result.details["dtypes"] = dtypes
+    skip = 0
+    for norm in [n for n in graph if n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx")]:
+        add = _residual_add(norm)
+        if add is not None:
+            _fuse_skip(graph, norm, add)
+            skip += 1
+    if skip:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    result.details["skip"] = skip
     return result

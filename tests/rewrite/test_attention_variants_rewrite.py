@@ -318,7 +318,7 @@ def _reference_evaluator(model: onnx.ModelProto):
             return self._run(*args)
 
     return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8, simplified_layer_norm_op(),
-                                              rotary_embedding_op()])
+                                              skip_simplified_layer_norm_op(), rotary_embedding_op()])
 
 
 def simplified_layer_norm_op():
@@ -340,6 +340,32 @@ def simplified_layer_norm_op():
             return self._run(*args)
 
     return SimplifiedLayerNormalization
+
+
+def skip_simplified_layer_norm_op():
+    """ORT's com.microsoft SkipSimplifiedLayerNormalization (what the norms pass writes for a norm
+    of a residual Add) for onnx's ReferenceEvaluator: the sum of input and skip in float32, its
+    RMS norm times gamma (output 0), and the sum in the input's type (output 3, when declared)."""
+    from onnx.reference.op_run import OpRun
+
+    class SkipSimplifiedLayerNormalization(OpRun):
+        op_domain = "com.microsoft"
+
+        def _run(self, x, skip, gamma, bias=None):
+            a = {att.name: onnx.helper.get_attribute_value(att) for att in self.onnx_node.attribute}
+            h32 = x.astype(np.float32) + skip.astype(np.float32)
+            if bias is not None:
+                h32 = h32 + bias.astype(np.float32)
+            inv = 1.0 / np.sqrt(np.mean(h32 * h32, axis=-1, keepdims=True) + np.float32(a.get("epsilon", 1e-5)))
+            y = (h32 * inv * gamma.astype(np.float32)).astype(x.dtype)
+            if len(self.onnx_node.output) == 1:
+                return (y,)
+            return (y, None, None, h32.astype(x.dtype))
+
+        def run(self, *args, **kwargs):
+            return self._run(*args)
+
+    return SkipSimplifiedLayerNormalization
 
 
 def rotary_embedding_op():

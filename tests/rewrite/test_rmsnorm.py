@@ -145,3 +145,77 @@ def test_exported_models_keep_their_outputs(name):
         a, b = a.astype(np.float32), b.astype(np.float32)
         scale = float(np.abs(a).max()) or 1.0
         assert float(np.abs(a - b).max()) <= (2e-2 if fp16 else 1e-4) * scale, (name, float(np.abs(a - b).max()))
+
+
+def _residual_norm(dtype=TensorProto.FLOAT, shape=(2, 3, H), const_skip=False, sum_is_output=False):
+    """h = a + b; y = RMSNorm(h) * w (the torch.onnx chain of _chain); r = h + c reads the sum as
+    the next residual Add does. Outputs y and r (and h itself when sum_is_output)."""
+    chain, w = _chain(dtype)
+    npd = helper.tensor_dtype_to_np_dtype(dtype)
+    g_ = chain.graph
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"])] + list(g_.node)
+    nodes.append(helper.make_node("Add", ["x", "c"], ["r"]))
+    inits = list(g_.initializer)
+    inputs = [helper.make_tensor_value_info(n, dtype, list(shape)) for n in ("a", "c")]
+    if const_skip:
+        b = np.random.default_rng(5).standard_normal(shape).astype(npd)
+        inits.append(onnx.numpy_helper.from_array(b, "b"))
+    else:
+        inputs.append(helper.make_tensor_value_info("b", dtype, list(shape)))
+    outputs = [helper.make_tensor_value_info("out_copy", dtype, None), helper.make_tensor_value_info("r", dtype, None)]
+    if sum_is_output:
+        outputs.append(helper.make_tensor_value_info("x", dtype, None))
+    graph = helper.make_graph(nodes, "res", inputs, outputs, inits,
+                              value_info=[helper.make_tensor_value_info("x", dtype, list(shape))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), w
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_norm_of_a_residual_add_becomes_skip_simplified_layer_norm(dtype):
+    """Add + RMSNorm -> one SkipSimplifiedLayerNormalization whose output 3 (the sum) feeds the
+    next residual Add: y against numpy's RMSNorm of a + b in float64, r against a + b + c."""
+    proto, w = _residual_norm(dtype)
+    m = ir.serde.deserialize_model(proto)
+    result = fuse_rmsnorm(m, RewriteOptions())
+    assert result.fused == 1 and result.details["skip"] == 1
+    out = ir.serde.serialize_model(m)
+    ops = [n.op_type for n in out.graph.node]
+    assert ops.count("SkipSimplifiedLayerNormalization") == 1 and "SimplifiedLayerNormalization" not in ops
+    assert ops.count("Add") == 1  # only the next residual Add is left
+    npd = helper.tensor_dtype_to_np_dtype(dtype)
+    rng = np.random.default_rng(2)
+    a, b, c = (rng.standard_normal((2, 3, H)).astype(npd) for _ in range(3))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    y, r = ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+        None, {"a": a, "b": b, "c": c})
+    h = a.astype(np.float64) + b.astype(np.float64)
+    want = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * w.astype(np.float64)
+    tol = 1e-5 if dtype == TensorProto.FLOAT else 4e-3  # float32 arithmetic; fp16: one output rounding
+    np.testing.assert_allclose(y.astype(np.float64), want, rtol=tol, atol=tol)
+    h_rounded = (a + b).astype(np.float64)  # the sum the kernel hands on, in the model's type
+    np.testing.assert_allclose(r.astype(np.float64), (h_rounded.astype(npd) + c).astype(np.float64), rtol=0,
+                               atol=4e-3 if dtype == TensorProto.FLOAT16 else 1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"const_skip": True}, {"shape": (3, H)}, {"sum_is_output": True}],
+                         ids=["constant-input", "rank-2", "sum-is-a-graph-output"])
+def test_residual_adds_it_must_not_take_stay(kw):
+    """A constant addend (a bias, not a residual), inputs the kernel does not take as
+    [batch, sequence, hidden], or a sum that is itself a graph output: the norm is fused alone."""
+    proto, _ = _residual_norm(**kw)
+    m = ir.serde.deserialize_model(proto)
+    result = fuse_rmsnorm(m, RewriteOptions())
+    assert result.fused == 1 and result.details["skip"] == 0
+    assert [n.op_type for n in m.graph].count("Add") == 2
+
+
+def test_exported_layers_take_the_skip_norm():
+    """The 2-layer torch.onnx export: every norm but the first (which reads the embedding) sums its
+    residual in the kernel; outputs those of the unfused model as in the test above."""
+    path = FIXTURES / "attention" / "dynamo_sdpa_kv.onnx"
+    m = load_model(str(path))
+    result = fuse_rmsnorm(m, RewriteOptions())
+    assert (result.fused, result.details["skip"]) == (5, 4)
+    skip = [n for n in m.graph if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert len(skip) == 4 and sum(len(n.outputs) == 4 for n in skip) == 3  # the final norm's sum has no other reader
