@@ -59,15 +59,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ort_ops import reference as R  # noqa: E402
-from ort_ops.ops._quant import quantize_expert_weights, quantize_rows  # noqa: E402
-from ort_ops.ops._moe import moe_experts_float  # noqa: E402
-from ort_ops.ops.grouped_matmul_swiglu_quant import swiglu_rows  # noqa: E402
-from ort_ops.ops.paged_attention_int8 import PV_LEVELS, build_paged_cache, gather_sequence  # noqa: E402
+from ort_ops import reference as R
+from ort_ops.ops._moe import moe_experts_float
+from ort_ops.ops._quant import quantize_expert_weights, quantize_rows
+from ort_ops.ops.grouped_matmul_swiglu_quant import swiglu_rows
+from ort_ops.ops.paged_attention_int8 import PV_LEVELS, build_paged_cache, gather_sequence
 
 CONTRACT_GROUP = 32     # DESIGN.md: W codes re-quantized per 32 key positions
 ALT_GROUP = 16
-CONTRACT_COLUMNS = None  # DESIGN.md: one SwiGLU output scale per row
 ALT_COLUMNS = (128, 64, 32)  # 128: the alternative; 64 / 32: probes of finer groups
 
 
