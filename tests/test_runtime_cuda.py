@@ -180,26 +180,17 @@ def test_cuda_greedy_steps_are_the_argmax_of_the_step_logits(rng, which, cuda_gr
     assert greedy.graph_steps == (6 if cuda_graph else 0)
 
 
-@pytest.mark.parametrize("name", ["dynamo_sdpa_kv_fp16", "dynamo_sdpa_kv_bf16", "gptoss_sinks_kv"])
-def test_rotary_fusion_in_captured_decode_steps(name, rng):
-    """The RoPE fusion's com.microsoft RotaryEmbedding on the CUDA EP (the [1, T, N*D] input, the
-    constant offset position [0], caches sliced from each step's cos/sin; float16, bfloat16 and
-    float32), in decode steps captured as CUDA graphs and replayed: the logits of the same s8/s8
-    rewrite without it (the CUDA kernels' quantization), on the same GPU, the same steps."""
+def _captured_step_differences(plain, fused, rng) -> list[float]:
+    """Max |logit difference| per step between two rewrites of one model (onnx_ir Models) run on
+    the CUDA EP through the same steps: a packed prefill of 3 prompts, 6 decode steps in bucket 4
+    (its regular Run, its capture, replays), then an ordinary packed Run."""
     import onnx_ir as ir
 
-    from ort_ops.rewrite import rewrite_model
     from ort_ops.rewrite._graph import float32_io, has_bfloat16
-    from ort_ops.rewrite.pipeline import RewriteOptions
-    from ort_ops.rewrite.rotary import fuse_rotary
-    from tests.tolerances import ROTARY_CUDA_S8_LOGITS_ATOL
 
-    plain, _ = rewrite_model(str(FIXTURE.parent / f"{name}.onnx"), moe=False, rotary=False)  # s8/s8: CUDA's
-    fused = plain.clone()
-    assert fuse_rotary(fused, RewriteOptions()).fused == 4
     plan = [dict(enumerate(rng.integers(3, 60, n).tolist() for n in (5, 11, 17)))]
-    plan += [{i: [int(rng.integers(3, 60))] for i in range(3)} for _ in range(6)]  # bucket 4: run, capture, replays
-    plan.append({0: [int(rng.integers(3, 60))], 2: rng.integers(3, 60, 3).tolist()})  # an ordinary packed Run
+    plan += [{i: [int(rng.integers(3, 60))] for i in range(3)} for _ in range(6)]
+    plan.append({0: [int(rng.integers(3, 60))], 2: rng.integers(3, 60, 3).tolist()})
 
     def run(model):
         if has_bfloat16(model):  # onnxruntime's Python API has no bfloat16 arrays: float32 logits
@@ -210,7 +201,24 @@ def test_rotary_fusion_in_captured_decode_steps(name, rng):
         assert runner.graph_steps == 6, runner.graph_steps
         return out
 
-    errs = [float(np.abs(a - b).max()) for a, b in zip(run(plain), run(fused))]
+    return [float(np.abs(a - b).max()) for a, b in zip(run(plain), run(fused))]
+
+
+@pytest.mark.parametrize("name", ["dynamo_sdpa_kv_fp16", "dynamo_sdpa_kv_bf16", "gptoss_sinks_kv"])
+def test_rotary_fusion_in_captured_decode_steps(name, rng):
+    """The RoPE fusion's com.microsoft RotaryEmbedding on the CUDA EP (the [1, T, N*D] input, the
+    constant offset position [0], caches sliced from each step's cos/sin; float16, bfloat16 and
+    float32), in decode steps captured as CUDA graphs and replayed: the logits of the same s8/s8
+    rewrite without it (the CUDA kernels' quantization), on the same GPU, the same steps."""
+    from ort_ops.rewrite import rewrite_model
+    from ort_ops.rewrite.pipeline import RewriteOptions
+    from ort_ops.rewrite.rotary import fuse_rotary
+    from tests.tolerances import ROTARY_CUDA_S8_LOGITS_ATOL
+
+    plain, _ = rewrite_model(str(FIXTURE.parent / f"{name}.onnx"), moe=False, rotary=False)  # s8/s8: CUDA's
+    fused = plain.clone()
+    assert fuse_rotary(fused, RewriteOptions()).fused == 4
+    errs = _captured_step_differences(plain, fused, rng)
     print(name, "max abs logit difference per step", errs)
     assert max(errs) <= ROTARY_CUDA_S8_LOGITS_ATOL, errs
 
@@ -221,11 +229,8 @@ def test_skip_norm_fusion_in_captured_decode_steps(name, rng, monkeypatch):
     kernel, output 3 the sum for the next residual Add) on the CUDA EP, in decode steps captured as
     CUDA graphs and replayed: the logits of the same s8/s8 rewrite with the residual Adds left
     alone (Add + SimplifiedLayerNormalization), on the same GPU, the same steps."""
-    import onnx_ir as ir
-
-    import ort_ops.rewrite.rmsnorm as rmsnorm
+    from ort_ops.rewrite import rmsnorm
     from ort_ops.rewrite import rewrite_model
-    from ort_ops.rewrite._graph import float32_io, has_bfloat16
     from tests.tolerances import SKIP_NORM_CUDA_S8_LOGITS_ATOL
 
     src = str(FIXTURE.parent / f"{name}.onnx")
@@ -234,19 +239,6 @@ def test_skip_norm_fusion_in_captured_decode_steps(name, rng, monkeypatch):
     monkeypatch.setattr(rmsnorm, "_residual_add", lambda norm: None)
     plain, results = rewrite_model(src, moe=False)
     assert next(r for r in results if r.kind == "rmsnorm").details["skip"] == 0
-    plan = [dict(enumerate(rng.integers(3, 60, n).tolist() for n in (5, 11, 17)))]
-    plan += [{i: [int(rng.integers(3, 60))] for i in range(3)} for _ in range(6)]  # bucket 4: run, capture, replays
-    plan.append({0: [int(rng.integers(3, 60))], 2: rng.integers(3, 60, 3).tolist()})  # an ordinary packed Run
-
-    def run(model):
-        if has_bfloat16(model):  # onnxruntime's Python API has no bfloat16 arrays: float32 logits
-            model = float32_io(model)
-        runner = PagedRunner(ir.to_proto(model).SerializeToString(), num_blocks=32, providers=CUDA_FP32)
-        assert runner.cuda_graph, runner.graph_note
-        out = [runner.step(s) for s in plan]
-        assert runner.graph_steps == 6, runner.graph_steps
-        return out
-
-    errs = [float(np.abs(a - b).max()) for a, b in zip(run(plain), run(fused))]
+    errs = _captured_step_differences(plain, fused, rng)
     print(name, "max abs logit difference per step", errs)
     assert max(errs) <= SKIP_NORM_CUDA_S8_LOGITS_ATOL, errs

@@ -56,7 +56,9 @@ def _groups(graph: ir.Graph) -> list[tuple[ir.Value, list[ir.Node]]]:
     for x, nodes in by_input.values():
         if len(nodes) < 2:
             continue
-        key = lambda n: (n.inputs[1].const_value.dtype, n.inputs[1].const_value.shape[0])  # noqa: E731
+        def key(n: ir.Node):
+            return n.inputs[1].const_value.dtype, n.inputs[1].const_value.shape[0]
+
         first = key(nodes[0])
         same = [n for n in nodes if key(n) == first]
         if len(same) >= 2:

@@ -109,7 +109,9 @@ def test_fixture_projections_joined_logits_unchanged():
     plain, _ = ort_ops.rewrite_model(src, concat_matmuls=False)
     r = next(r for r in results if r.kind == "matmul_concat")
     assert r.fused == 4 and r.details["matmuls"] == 10
-    count = lambda m: collections.Counter(n.op_type for n in m.graph)["MatMul"]  # noqa: E731
+    def count(m):
+        return collections.Counter(n.op_type for n in m.graph)["MatMul"]
+
     assert count(plain) - count(joined) == 6
     runners = [PagedRunner(ir.serde.serialize_model(m).SerializeToString()) for m in (joined, plain)]
     rng = np.random.default_rng(3)
