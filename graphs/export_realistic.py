@@ -39,6 +39,7 @@ are not committed: build them where they run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -65,8 +66,9 @@ SHAPES = {
 
 
 def make_config(family: str, *, tiny: bool = False, layers: int | None = None, vocab: int | None = None,
-                init_range: float | None = None):
-    """The transformers config of a family's preset, with overrides."""
+                init_range: float | None = None, overrides: dict | None = None):
+    """The transformers config of a family's preset, with overrides (``overrides``: any config
+    keywords, e.g. a smaller ``hidden_size`` or ``num_experts`` to see how export time scales)."""
     from transformers import LlamaConfig, Qwen2MoeConfig
 
     if family not in FAMILIES:
@@ -76,6 +78,7 @@ def make_config(family: str, *, tiny: bool = False, layers: int | None = None, v
         kw["num_hidden_layers"] = layers
     if vocab is not None:
         kw["vocab_size"] = vocab
+    kw.update(overrides or {})
     common = dict(max_position_embeddings=8192 + 512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, initializer_range=init_range if init_range is not None else (0.1 if tiny else 0.02))
     if family == "llama":
@@ -146,6 +149,44 @@ def _names(n_layers: int):
     return ins, outs
 
 
+@contextlib.contextmanager
+def fast_multi_output_matching():
+    """Inside this context, onnxscript's pattern matcher refuses a node at once when a rule whose
+    pattern has several output nodes (SlicesSplit, one of the rules its optimizer runs after
+    constant folding) cannot start a match there: the node's op type is not the one of the
+    pattern's first output node.
+
+    The matcher makes that same check first for every combination it tries, but before it, it
+    lists every node of the graph by op type, for each node it is asked about: quadratic in the
+    number of nodes, and the per-expert graphs of transformers' exporter (an unrolled matmul per
+    expert and layer) have tens of thousands. The rewrites it makes are the same, so the export
+    is. Without onnxscript, or where its matcher has another shape, nothing is changed."""
+    try:
+        from onnxscript.rewriter import _basics, _matcher, _pattern_ir
+    except ImportError:
+        yield
+        return
+    cls = getattr(_matcher, "SimplePatternMatcher", None)
+    original = getattr(cls, "match", None)
+    if original is None or not hasattr(_pattern_ir, "StringConstantPattern"):
+        yield
+        return
+
+    def match(self, model, graph_or_function, node, *args, **kwargs):
+        pattern = self.pattern
+        if not pattern.has_single_output_node:
+            first = pattern.output_nodes[0].op
+            if isinstance(first, _pattern_ir.StringConstantPattern) and node.op_type != first.value():
+                return _basics.MatchResult().fail(f"OpType mismatch: expected {first.value()}, got {node.op_type}.")
+        return original(self, model, graph_or_function, node, *args, **kwargs)
+
+    cls.match = match
+    try:
+        yield
+    finally:
+        cls.match = original
+
+
 def export_dynamo(model, path: Path, external: bool) -> None:
     import torch
 
@@ -213,23 +254,21 @@ def _finish(path: Path, props: dict) -> None:
 
 def build(family: str, out: Path, *, dtype: str = "fp16", tiny: bool = False, layers: int | None = None,
           vocab: int | None = None, exporter: str = "dynamo", seed: int = 0, init_range: float | None = None,
-          inline_limit_mb: float = 1024, checkpoint: bool = True) -> Path:
+          inline_limit_mb: float = 1024, checkpoint: bool = True, overrides: dict | None = None) -> Path:
     """Builds, exports and saves one model; returns the path of model.onnx."""
+    if exporter not in ("dynamo", "transformers"):
+        raise ValueError(f"export_realistic: exporter must be dynamo or transformers, got {exporter!r}")
     out.mkdir(parents=True, exist_ok=True)
-    cfg = make_config(family, tiny=tiny, layers=layers, vocab=vocab, init_range=init_range)
+    cfg = make_config(family, tiny=tiny, layers=layers, vocab=vocab, init_range=init_range, overrides=overrides)
     model = build_model(cfg, dtype, seed)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     external = nbytes > inline_limit_mb * 2**20
     path = out / "model.onnx"
-    if exporter == "dynamo":
-        export_dynamo(model, path, external)
-    elif exporter == "transformers":
-        export_transformers(model, path, external)
-    else:
-        raise ValueError(f"export_realistic: exporter must be dynamo or transformers, got {exporter!r}")
+    with fast_multi_output_matching():
+        (export_dynamo if exporter == "dynamo" else export_transformers)(model, path, external)
     _finish(path, {"ort_ops.generated_by": "graphs/export_realistic.py", "ort_ops.family": family,
                    "ort_ops.dtype": dtype, "ort_ops.exporter": exporter,
-                   "ort_ops.config": json.dumps({k: getattr(cfg, k) for k in SHAPES[(family, tiny)]
+                   "ort_ops.config": json.dumps({k: getattr(cfg, k) for k in [*SHAPES[(family, tiny)], *(overrides or {})]
                                                  if k != "rope_parameters"})})
     if checkpoint:
         model.save_pretrained(str(out / "checkpoint"))
@@ -253,16 +292,28 @@ def main(argv=None) -> int:
     ap.add_argument("--init-range", type=float, default=None,
                     help="std of the random weights (default 0.02; --tiny 0.1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config keyword of the preset (repeatable; VALUE read as JSON), e.g. "
+                         "--set hidden_size=512 --set num_experts=16: smaller variants of a family's shape")
     ap.add_argument("--inline-limit-mb", type=float, default=1024,
                     help="weights above this go to model.onnx.data (protobuf caps a file at 2 GB)")
     ap.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
                     help="skip the transformers checkpoint (PyTorch / GenAI baselines need it)")
     args = ap.parse_args(argv)
+    overrides = {}
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set wants KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
     t = time.time()
     try:
         path = build(args.family, Path(args.out), dtype=args.dtype, tiny=args.tiny, layers=args.layers,
                      vocab=args.vocab, exporter=args.exporter, seed=args.seed, init_range=args.init_range,
-                     inline_limit_mb=args.inline_limit_mb, checkpoint=args.checkpoint)
+                     inline_limit_mb=args.inline_limit_mb, checkpoint=args.checkpoint, overrides=overrides)
     except ImportError as e:
         print(f"export_realistic: needs torch and transformers ({e})", file=sys.stderr)
         return 2

@@ -93,3 +93,77 @@ def test_tiny_fp16_moe_export_is_fp16(tmp_path):
     props = {p.key: p.value for p in m.metadata_props}
     assert props["ort_ops.family"] == "qwen_moe" and props["ort_ops.dtype"] == "fp16"
     assert not (tmp_path / "checkpoint").exists()
+
+
+def test_set_overrides_config_keywords(capsys):
+    cfg = make_config("qwen_moe", tiny=True, overrides={"num_experts": 16, "hidden_size": 128})
+    assert (cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_tok) == (16, 128, 4)
+    with pytest.raises(SystemExit):
+        main(["qwen_moe", "--out", "/nonexistent", "--set", "num_experts"])
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def _slices_graph():
+    """Two Slices of one input (SlicesSplit's pattern), among other ops, for the matcher checks."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n)
+             for n, v in (("s0", [0]), ("e0", [4]), ("s1", [4]), ("e1", [8]), ("ax", [1]))]
+    nodes = [helper.make_node("Slice", ["x", "s1", "e1", "ax"], ["b"]),
+             helper.make_node("Slice", ["x", "s0", "e0", "ax"], ["a"]),
+             helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Mul", ["r", "b"], ["y"])]
+    return ir.from_proto(helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                                           opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def test_fast_multi_output_matching_answers_as_the_matcher_does():
+    """Every rule of onnxscript's optimizer whose pattern has several output nodes matches (or
+    not) each node of a graph the same inside fast_multi_output_matching as outside it; the
+    matcher's own method is back afterwards."""
+    pytest.importorskip("onnxscript")
+    from onnxscript.rewriter import _DEFAULT_REWRITE_RULES, _matcher
+
+    from graphs.export_realistic import fast_multi_output_matching
+
+    rules = [r for r in _DEFAULT_REWRITE_RULES if not r._target_pattern.has_single_output_node]
+    assert rules  # SlicesSplit at least: what the context is for
+    model = _slices_graph()
+
+    def answers():
+        return [(r.name, n.op_type, bool(r.match(model, model.graph, n))) for r in rules for n in model.graph]
+
+    original = _matcher.SimplePatternMatcher.match
+    plain = answers()
+    with fast_multi_output_matching():
+        assert _matcher.SimplePatternMatcher.match is not original
+        fast = answers()
+    assert _matcher.SimplePatternMatcher.match is original
+    assert fast == plain
+    assert any(op == "Slice" for _, op, _ in plain) and any(op != "Slice" for _, op, _ in plain)
+
+
+@pytest.mark.slow
+def test_fast_matching_leaves_the_transformers_export_unchanged(tmp_path, monkeypatch):
+    """transformers' exporter of the tiny Qwen-MoE (its per-expert graph) writes the same graph
+    and weights with fast_multi_output_matching as with onnxscript's matcher as it is."""
+    import contextlib
+
+    import onnx
+
+    import graphs.export_realistic as er
+
+    kw = dict(dtype="fp32", tiny=True, layers=1, vocab=128, exporter="transformers", checkpoint=False)
+    fast = onnx.load(str(build("qwen_moe", tmp_path / "fast", **kw)))
+    monkeypatch.setattr(er, "fast_multi_output_matching", contextlib.nullcontext)
+    plain = onnx.load(str(build("qwen_moe", tmp_path / "plain", **kw)))
+    assert len(fast.graph.node) > 100  # the per-expert form, 8 experts unrolled
+    assert [(n.op_type, list(n.input), list(n.output)) for n in fast.graph.node] == \
+        [(n.op_type, list(n.input), list(n.output)) for n in plain.graph.node]
+    assert [(n.name, n.attribute) for n in fast.graph.node] == [(n.name, n.attribute) for n in plain.graph.node]
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in plain.graph.initializer}
+    assert sorted(inits) == sorted(t.name for t in fast.graph.initializer)
+    for t in fast.graph.initializer:
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(t), inits[t.name])
