@@ -49,5 +49,16 @@ def quantize_expert_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-output-channel INT8 expert weights (the MoE ops' offline rule, DESIGN.md "MoE"):
     W float [E, K, N] -> (int8 [E, K, N], scale float32 [E, N]), ``quantize_rows`` over K:
     scale = max_k |W[e, k, n]| / 127, q = rint(W * (127 / amax)).
+
+    One expert at a time: each expert's scales cover its own rows only, so the codes are those of
+    the whole array at once, while the float32 temporaries are one expert's (a model's expert
+    weights are gigabytes, often read from a memory-mapped file).
     """
-    return quantize_rows(np.asarray(w, np.float32), axis=1)
+    w = np.asarray(w)
+    if w.ndim != 3:
+        return quantize_rows(np.asarray(w, np.float32), axis=1)
+    q = np.empty(w.shape, np.int8)
+    scale = np.empty((w.shape[0], w.shape[2]), np.float32)
+    for e in range(w.shape[0]):
+        q[e], scale[e] = quantize_rows(w[e], axis=0)
+    return q, scale

@@ -663,10 +663,20 @@ def _stacked_interpretations(consts: list[np.ndarray], e: int, h: int):
 def moe_float(x: np.ndarray, ids: np.ndarray, wts: np.ndarray, w: _Reading, act: _Activation = SILU) -> np.ndarray:
     """The float MoE with given routing (``ort_ops.ops._moe.moe_experts_float``): x [T, H],
     ids/wts [T, K] -> float64 [T, H], the reading's optional biases added after each
-    projection, ``act`` between them."""
-    gate_up = np.concatenate([w.w_gate, w.w_up], axis=2)
-    bias = None if w.b_gate is None else np.concatenate([w.b_gate, w.b_up], axis=1)
-    return moe_experts_float(x, ids, wts, gate_up, w.w_down, bias, w.b_down, act.name, act.alpha, act.limit)
+    projection, ``act`` between them.
+
+    Only the experts ``ids`` name are gathered (a reading is screened on a few tokens, and the
+    full weights are gigabytes); they keep their ascending order, so each token's sum is taken in
+    the same order as over all experts. An id outside [0, E) names no expert, as there."""
+    e = w.w_gate.shape[0]
+    ids = np.asarray(ids)
+    valid = (ids >= 0) & (ids < e)
+    used = np.unique(ids[valid]).astype(np.int64)
+    local = np.where(valid, np.searchsorted(used, np.clip(ids, 0, max(e - 1, 0))), used.size)
+    gate_up = np.concatenate([w.w_gate[used], w.w_up[used]], axis=2)
+    bias = None if w.b_gate is None else np.concatenate([w.b_gate[used], w.b_up[used]], axis=1)
+    b_down = None if w.b_down is None else w.b_down[used]
+    return moe_experts_float(x, local, wts, gate_up, w.w_down[used], bias, b_down, act.name, act.alpha, act.limit)
 
 
 def _matches(got: np.ndarray, want: np.ndarray, dtype=np.float32) -> bool:
@@ -832,20 +842,22 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
         for reading in interps:
             if not _screen(probes[0], out, cand, reading, act):
                 continue
+            # Every probe has the block's output, of the router input's size: then one float MoE
+            # over all probes' tokens (each expert's weights converted once), compared probe by probe.
             ok = True
             for pr in probes:
                 got = pr.get(out.name)
-                x, ids, wts = pr[cand.x.name], pr[cand.ids.name], pr[cand.weights.name]
-                if got is None:
-                    ok = False
-                    break
-                if got.size != x.size:
+                if got is None or got.size != pr[cand.x.name].size:
                     ok = False
                     break
                 shape_ok = True
-                if not _matches(got, moe_float(x, ids, wts, reading, act), x.dtype):
-                    ok = False
-                    break
+            if ok:
+                xs = [pr[cand.x.name] for pr in probes]
+                want = moe_float(np.concatenate(xs), np.concatenate([pr[cand.ids.name] for pr in probes]),
+                                 np.concatenate([pr[cand.weights.name] for pr in probes]), reading, act)
+                ends = np.cumsum([len(x) for x in xs])
+                ok = all(_matches(pr[out.name], part, x.dtype)
+                         for pr, x, part in zip(probes, xs, np.split(want, ends[:-1])))
             if ok:
                 reshape = pr[out.name].ndim != 2
                 if reshape and tuple(pr[out.name].shape) != tuple(pr[cand.hidden.name].shape):

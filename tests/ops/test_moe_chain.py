@@ -106,3 +106,21 @@ def test_gpt_oss_chain(rng, gemm_isa, alpha, limit):
     assert err <= MOE_CHAIN_VS_FLOAT_REL_L2
     plain = ml.moe_layer_float(x, w, k, routing=(ids, wts))  # the biases and activation matter
     assert ml.relative_l2(out, plain) > 10 * MOE_CHAIN_VS_FLOAT_REL_L2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_expert_weights_quantized_per_expert_equal_the_whole_array_rule(rng, dtype):
+    """quantize_expert_weights (one expert at a time) gives the codes and scales of quantize_rows
+    over the whole [E, K, N] array: float16 and float32 weights, a transposed view (the rewrite
+    reads exporters' [E, N, K] weights that way), an all-zero expert and a column of tiny values."""
+    from ort_ops.ops._quant import quantize_expert_weights, quantize_rows
+
+    w = (rng.standard_normal((5, 24, 40)) * 0.02).astype(dtype)
+    w[2] = 0
+    w[3, :, 7] = np.float32(1e-38) if dtype == np.float32 else 0
+    for arr in (w, np.ascontiguousarray(w.transpose(0, 2, 1)).transpose(0, 2, 1), w.transpose(0, 2, 1)):
+        q, s = quantize_expert_weights(arr)
+        q0, s0 = quantize_rows(np.asarray(arr, np.float32), axis=1)
+        assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == (arr.shape[0], arr.shape[2])
+        np.testing.assert_array_equal(q, q0)
+        np.testing.assert_array_equal(s, s0)

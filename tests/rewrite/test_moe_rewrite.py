@@ -514,3 +514,25 @@ def test_gptoss_clamp_other_than_swiglu_oai_is_declined():
     assert len(result.declined) == 2
     assert all("up clamp [-3.0, 1.25]" in d.reason and "swiglu_oai" in d.reason for d in result.declined), \
         result.declined
+
+
+def test_probe_float_moe_over_the_experts_named_equals_the_one_over_all(rng):
+    """moe.moe_float gathers only the experts the ids name: bit for bit the float MoE over all E
+    experts (ort_ops.ops._moe.moe_experts_float), with biases, ids outside [0, E) naming none,
+    and on a few tokens that name some experts only (the screen of a reading)."""
+    from ort_ops.ops._moe import moe_experts_float
+    from ort_ops.rewrite.moe import SILU, _Reading, moe_float
+
+    e, h, i, k = 6, 16, 8, 2
+    w = _Reading(*(rng.standard_normal(s).astype(np.float32) for s in ((e, h, i), (e, h, i), (e, i, h))), "test",
+                 rng.standard_normal((e, i)).astype(np.float32), rng.standard_normal((e, i)).astype(np.float32),
+                 rng.standard_normal((e, h)).astype(np.float32))
+    x = rng.standard_normal((9, h)).astype(np.float32)
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(9)]).astype(np.int64)
+    ids[3, 1], ids[5, 0] = -1, e  # no expert
+    wts = rng.random((9, k)).astype(np.float32)
+    for t in (9, 2):
+        got = moe_float(x[:t], ids[:t], wts[:t], w, SILU)
+        want = moe_experts_float(x[:t], ids[:t], wts[:t], np.concatenate([w.w_gate, w.w_up], axis=2), w.w_down,
+                                 np.concatenate([w.b_gate, w.b_up], axis=1), w.b_down)
+        np.testing.assert_array_equal(got, want)
