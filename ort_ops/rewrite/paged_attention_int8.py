@@ -1069,13 +1069,22 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
     past_probed = g.same_values(probed, past)
     targets = g.same_values(probed, targets)
     batch = g.PROBE_BATCH
+    # One session for every probe run below: each session loads the whole model (made on the
+    # first run; a failure to make it fails that run, and the next run tries again).
+    prober: list[g.Prober] = []
+
+    def run_probe(feeds: dict) -> dict:
+        if not prober:
+            prober.append(g.Prober(probed, targets))
+        return prober[0].run(feeds)
+
     fe = g.probe_feeds(probed, past_probed)
     if fe is None:
         probe_error = "the graph has inputs other than input_ids/attention_mask/position_ids/past"
     elif targets:
         feeds, probe_mask = fe
         try:
-            probes = g.run_probe(probed, targets, feeds)
+            probes = run_probe(feeds)
         except Exception as e:  # noqa: BLE001 - any failure means: cannot check, decline
             probe_error = f"running the original graph on a probe batch failed ({str(e).splitlines()[0][:200]})"
             if bf16:
@@ -1085,7 +1094,7 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
             batch = g.PROBE_FALLBACK_BATCH
             feeds, probe_mask = g.probe_feeds(probed, past_probed, b=batch)
             try:
-                probes = g.run_probe(probed, targets, feeds)
+                probes = run_probe(feeds)
                 probe_error = None
             except Exception:  # noqa: BLE001 - report the batched failure, the first one seen
                 probes = {}
@@ -1094,12 +1103,12 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
         fe2 = g.probe_feeds(probed, past_probed, b=g.PROBE2_BATCH if batch > 1 else batch,
                             s=g.PROBE2_SEQ, past=g.PROBE2_PAST)
         try:
-            probes2 = g.run_probe(probed, targets, fe2[0]) if fe2 else {}
+            probes2 = run_probe(fe2[0]) if fe2 else {}
         except Exception:  # noqa: BLE001 - only used to fold shape reads; without it they stay
             probes2 = {}
     ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
                probe_error, proto=_without_large_initializers(probed), bfloat16=bf16)
-    del probed, past_probed  # (the twin's float32 weights)
+    del probed, past_probed, prober  # (the twin's float32 weights, the probe session)
     for v in work.graph.inputs:
         if "attention_mask" in (v.name or ""):
             ctx.shared["attention_mask"] = v

@@ -122,6 +122,26 @@ def test_fixture_form_fused(name):
         assert m.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
 
 
+def test_probe_runs_share_one_session(monkeypatch):
+    """The attention pass makes one probe session of the model for all its probe runs (the
+    batch and the second, longer one): each session loads the whole model, gigabytes for the
+    realistic exports. The fusion is the one test_fixture_form_fused checks."""
+    import ort_ops.rewrite._graph as g
+
+    made = []
+    real = g.probe_session
+
+    def counting(model, extra_outputs, so):
+        made.append(model)
+        return real(model, extra_outputs, so)
+
+    monkeypatch.setattr(g, "probe_session", counting)
+    model = ir.load(_path("dynamo_sdpa_kv"))
+    result = fuse_paged_attention_int8(model, RewriteOptions(block_size=16))
+    assert result.fused == LAYERS, [(d.where, d.reason) for d in result.declined]
+    assert len(made) == 1
+
+
 @pytest.mark.parametrize("name", ["tx_sdpa_kv", "mistral_window_kv"])
 def test_model_with_external_data_is_probed_from_a_file(tmp_path, name):
     """A model whose tensors all live in an external file (exports over 2 GB) fuses, its window
