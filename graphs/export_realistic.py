@@ -6,7 +6,8 @@ exporter people use, torch.onnx dynamo, with a KV cache (past in, present out).
     python graphs/export_realistic.py qwen_moe --out /tmp/qwenmoe       # Qwen-MoE shape, fp16
     python graphs/export_realistic.py llama --tiny --dtype fp32 --out /tmp/tiny   # runs on a CPU
 
-Shapes (``--layers`` / ``--vocab`` override either):
+Shapes (``--layers`` / ``--vocab`` override either; ``--set KEY=VALUE`` any config keyword, e.g.
+``--set hidden_size=512 --set num_experts=16`` for a smaller variant in a scaling run):
     llama     16 layers, hidden 2048, 32 query / 8 kv heads, head_dim 64, intermediate 8192,
               vocab 32000 (Llama-3.2-1B's, with a 32k vocabulary), RoPE theta 500000
     qwen_moe  8 layers (Qwen1.5-MoE-A2.7B has 24: ``--layers 24``), hidden 2048, 16 heads,
@@ -28,7 +29,9 @@ past/present tensors (the form of the fixture ``dynamo_sdpa_kv``); for qwen_moe 
 as transformers' ``batched_mm`` (the form ``ort-ops rewrite`` fuses: each token gathers its top-k
 experts' weights, which the original graph then pays for on every token). ``--exporter
 transformers`` uses transformers' own OnnxExporter (also torch.onnx dynamo): its default experts
-become a per-expert loop that touches only the rows routed to each expert.
+become a per-expert loop that touches only the rows routed to each expert. Both exporters run
+onnxscript's optimizer inside ``fast_multi_output_matching``, which keeps its result and takes
+away a cost quadratic in the graph's size (large for the per-expert loop of 60 experts a layer).
 
 Needs torch and transformers (``pip install torch transformers``; CI does not install them).
 Downloads nothing. ``--init-range`` (default 0.02, transformers' own; the tiny preset 0.1 as the
