@@ -216,71 +216,9 @@ def all_node_outputs(model: ir.Model) -> list[ir.Value]:
 PROBE_INLINE_LIMIT = 1 << 30
 
 
-# In-memory tensors above this many bytes go to the probe file's data file when the model's
-# external data is linked (_save_with_linked_data); smaller ones stay in the protobuf.
-PROBE_LINKED_INLINE_BYTES = 1024
-
-
-def _save_with_linked_data(model: ir.Model, folder: str) -> str | None:
-    """Writes ``model`` as ``folder``/probe.onnx for onnxruntime without copying its external
-    data: each external data file is hard-linked into ``folder`` (onnxruntime reads external data
-    from the model's folder only, and follows no symbolic link out of it), and tensors held in
-    memory (a fused block's new weights) are written to ``folder``/probe.onnx.data. The model is
-    unchanged afterwards. Returns the path, or None when a file cannot be linked (``folder`` on
-    another file system, one without hard links) or a subgraph keeps external tensors."""
-    import os
-
-    values = [v for v in model.graph.initializers.values() if v.const_value is not None]
-    for sub in _subgraphs(model.graph)[1:]:
-        if any(isinstance(v.const_value, ir.ExternalTensor) for v in sub.initializers.values()):
-            return None
-    links: dict[str, str] = {}  # data file -> its link's name in folder
-    linked: dict[str, str] = {}  # tensor name -> link name
-    for v in values:
-        t = v.const_value
-        if isinstance(t, ir.ExternalTensor):
-            src = os.path.realpath(t.path)
-            if src not in links:
-                links[src] = f"linked_{len(links)}.data"
-                try:
-                    os.link(src, os.path.join(folder, links[src]))
-                except OSError:
-                    return None
-            linked[v.name] = links[src]
-    memory = [v for v in values if not isinstance(v.const_value, ir.ExternalTensor)
-              and v.const_value.nbytes > PROBE_LINKED_INLINE_BYTES]
-    originals = [v.const_value for v in memory]
-    try:
-        if memory:
-            written = ir.external_data.convert_tensors_to_external(originals, base_dir=folder,
-                                                                   relative_path="probe.onnx.data")
-            for v, t in zip(memory, written):
-                v.const_value = t
-        proto = ir.serde.serialize_model(model)
-    finally:
-        for v, t in zip(memory, originals):
-            v.const_value = t
-    for t in proto.graph.initializer:
-        if t.name in linked:
-            for entry in t.external_data:
-                if entry.key == "location":
-                    entry.value = linked[t.name]
-    path = os.path.join(folder, "probe.onnx")
-    with open(path, "wb") as f:
-        f.write(proto.SerializeToString())
-    return path
-
-
 def probe_session(model: ir.Model, extra_outputs: Sequence[ir.Value], so):
     """A CPU-EP onnxruntime session of ``model`` with ``extra_outputs`` added as graph outputs
-    (taken out again before returning: the caller's model is unchanged).
-
-    A model over PROBE_INLINE_LIMIT or with external data is saved to a temporary folder for
-    onnxruntime: one beside its external data, whose files are hard-linked into it rather than
-    copied (``_save_with_linked_data``; for an export of gigabytes, each probe session would
-    otherwise write all of it again), or where that cannot be made, one under the system's
-    temporary folder with a full copy. The folder is removed once the session is made."""
-    import os
+    (taken out again before returning: the caller's model is unchanged)."""
     import tempfile
 
     import onnxruntime as ort
@@ -290,16 +228,7 @@ def probe_session(model: ir.Model, extra_outputs: Sequence[ir.Value], so):
     graph.outputs.extend(added)
     try:
         consts = [v.const_value for v in graph.initializers.values() if v.const_value is not None]
-        external = [t for t in consts if isinstance(t, ir.ExternalTensor)]
-        if external:
-            try:
-                beside = os.path.dirname(os.path.realpath(external[0].path))
-                with tempfile.TemporaryDirectory(prefix=".ort_ops_probe_", dir=beside) as tmp:
-                    path = _save_with_linked_data(model, tmp)
-                    if path is not None:
-                        return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-            except Exception:  # noqa: BLE001 - a folder there or the links refused: the copy below
-                pass
+        external = any(isinstance(t, ir.ExternalTensor) for t in consts)
         if external or sum(t.nbytes for t in consts) > PROBE_INLINE_LIMIT:
             with tempfile.TemporaryDirectory(prefix="ort_ops_probe_") as tmp:
                 path = f"{tmp}/probe.onnx"

@@ -149,54 +149,6 @@ def test_prober_reads_intermediates_and_leaves_the_model_unchanged(monkeypatch, 
     np.testing.assert_array_equal(g.run_probe(model, [_values(model)["h"]], {"x": X32})["h"], X32 @ W32)
 
 
-@pytest.mark.parametrize("links", [True, False], ids=["linked", "copied"])
-def test_prober_of_a_model_with_external_data_links_its_data_file(tmp_path, monkeypatch, links):
-    """A model whose weights are in an external file (as loaded from disk) and which holds a new
-    tensor in memory (as after a fusion) is probed from a folder beside its data file that
-    hard-links the file instead of copying it, the new tensor written beside it; where the link
-    cannot be made, from a full copy. Either way the values are numpy's, the model is unchanged
-    and no folder is left beside the model."""
-    import os
-
-    w = helper.make_tensor("w", TensorProto.FLOAT, [3, 2], W32.reshape(-1).tolist())
-    b = np.array([0.25, -8.0], np.float32)
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["z"]),
-             helper.make_node("Relu", ["z"], ["y"])]
-    src = _model(nodes, [_vi("x", TensorProto.FLOAT, ["T", 3])], [_vi("y", TensorProto.FLOAT, ["T", 2])], [w])
-    src.graph.initializers.pop("b", None)
-    ir.save(src, str(tmp_path / "model.onnx"), external_data="model.onnx.data", size_threshold_bytes=0)
-    model = ir.load(str(tmp_path / "model.onnx"))
-    assert isinstance(model.graph.initializers["w"].const_value, ir.ExternalTensor)
-    bias = ir.Value(name="b", const_value=ir.tensor(b, name="b"))
-    model.graph.register_initializer(bias)
-    next(n for n in model.graph if n.op_type == "Add").replace_input_with(1, bias)
-    monkeypatch.setattr(g, "PROBE_LINKED_INLINE_BYTES", 0)  # the small bias goes to the data file too
-    made = []
-    real_link = os.link
-
-    def link(a, b_):
-        if not links:
-            raise OSError("no hard links here")
-        made.append((a, b_))
-        return real_link(a, b_)
-
-    monkeypatch.setattr(os, "link", link)
-    copies = []  # the full copy's save
-    real_save = ir.save
-    monkeypatch.setattr(ir, "save", lambda *a, **k: (copies.append(a[1]), real_save(*a, **k))[1])
-    prober = g.Prober(model, [_values(model)["h"], _values(model)["z"]])
-    assert [os.path.basename(a) for a, _ in made] == (["model.onnx.data"] if links else [])
-    assert len(copies) == (0 if links else 1)
-    for x in (X32, X32[:1] * 2):
-        got = prober.run({"x": x})
-        np.testing.assert_array_equal(got["h"], x @ W32)
-        np.testing.assert_array_equal(got["z"], x @ W32 + b)
-    assert [v.name for v in model.graph.outputs] == ["y"]
-    assert not isinstance(model.graph.initializers["b"].const_value, ir.ExternalTensor)
-    assert isinstance(model.graph.initializers["w"].const_value, ir.ExternalTensor)
-    assert sorted(os.listdir(tmp_path)) == ["model.onnx", "model.onnx.data"]
-
-
 def test_prober_runs_a_bfloat16_model_as_its_float32_twin():
     model = _matmul_model(TensorProto.BFLOAT16)
     assert g.has_bfloat16(model)
