@@ -105,6 +105,7 @@ def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int,
     T2 as its T) and Casts the output back to float32. Returns (bytes of codes and scales, name)."""
     import onnx_ir as ir
 
+    from ort_ops.rewrite import _graph as g
     from ort_ops.rewrite import moe
 
     graph = model.graph
@@ -113,7 +114,7 @@ def _emit_qmoe(model, block, bits: int, logits, probs, normalize: int,
     q1, s1, q2, s2 = _fc_weights(block, bits)
     if activations == "float16":
         s1, s2 = s1.astype(np.float16), s2.astype(np.float16)
-    inits = [moe._initializer(graph, f"{prefix}/{n}", a)
+    inits = [g.initializer(graph, f"{prefix}/{n}", a)
              for n, a in (("fc1", q1), ("fc1_scales", s1), ("fc2", q2), ("fc2_scales", s2))]
     nodes = []
 

@@ -127,6 +127,54 @@ def producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node 
     return node
 
 
+def only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The one node reading ``value`` when it is an ONNX ``op_type`` and ``value`` is not a graph
+    output (a chain's intermediate a fusion may remove), else None."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    node = uses[0].node
+    return node if node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+# Ops whose output has their first input's element type.
+_SAME_TYPE_LAYOUT = ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Identity")
+
+
+def element_type(value: ir.Value | None, depth: int = 0) -> ir.DataType | None:
+    """``value``'s element type: its own, its constant's, a Cast's target, or that of the input of
+    a layout op that made it (exports without value_info); None when none says."""
+    if value is None or depth > 8:
+        return None
+    if value.dtype is not None:
+        return value.dtype
+    if value.const_value is not None:
+        return value.const_value.dtype
+    n = value.producer()
+    if n is None or n.domain not in ("", "ai.onnx"):
+        return None
+    if n.op_type == "Cast":
+        return ir.DataType(attr_int(n, "to"))
+    if n.op_type in _SAME_TYPE_LAYOUT:
+        return element_type(n.inputs[0], depth + 1)
+    return None
+
+
+def initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
+    """A new initializer holding ``arr``, typed and shaped, named ``name`` or, when an initializer
+    or graph input has that name, ``name_1``, ``name_2``, ..."""
+    taken = set(graph.initializers) | {v.name for v in graph.inputs}
+    unique, i = name, 0
+    while unique in taken:
+        i += 1
+        unique = f"{name}_{i}"
+    v = ir.Value(name=unique, const_value=ir.tensor(arr, name=unique))
+    v.shape = ir.Shape(arr.shape)
+    v.type = ir.TensorType(ir.DataType.from_numpy(arr.dtype))
+    graph.register_initializer(v)
+    return v
+
+
 def attr_int(node: ir.Node, name: str, default: int | None = None) -> int | None:
     a = node.attributes.get(name)
     return default if a is None else int(a.value)

@@ -66,14 +66,13 @@ def _groups(graph: ir.Graph) -> list[tuple[ir.Value, list[ir.Node]]]:
     return out
 
 
-def _split_node(y: ir.Value, widths: list[int], opset: int, name: str) -> tuple[ir.Node, ir.Value | None]:
-    """Split(y, widths, axis=-1) and its sizes initializer: the sizes are an input from opset 13
-    on (None returned), an attribute before."""
+def _split_node(graph: ir.Graph, y: ir.Value, widths: list[int], opset: int, name: str) -> ir.Node:
+    """Split(y, widths, axis=-1): the sizes an initializer input from opset 13 on, an attribute
+    before."""
     if opset >= 13:
-        sizes = ir.Value(name=f"{name}_sizes", const_value=ir.tensor(np.asarray(widths, np.int64)),
-                         type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([len(widths)]))
-        return ir.node("Split", [y, sizes], attributes={"axis": -1}, num_outputs=len(widths), name=name), sizes
-    return ir.node("Split", [y], attributes={"axis": -1, "split": widths}, num_outputs=len(widths), name=name), None
+        sizes = g.initializer(graph, f"{name}_sizes", np.asarray(widths, np.int64))
+        return ir.node("Split", [y, sizes], attributes={"axis": -1}, num_outputs=len(widths), name=name)
+    return ir.node("Split", [y], attributes={"axis": -1, "split": widths}, num_outputs=len(widths), name=name)
 
 
 def fuse_matmul_concat(model: ir.Model, options: RewriteOptions) -> FusionResult:
@@ -101,9 +100,7 @@ def fuse_matmul_concat(model: ir.Model, options: RewriteOptions) -> FusionResult
         graph.register_initializer(joined)
         mm = ir.node("MatMul", [x, joined], name=f"{base}_joined")
         mm.outputs[0].dtype = weights[0].const_value.dtype
-        split, sizes = _split_node(mm.outputs[0], widths, opset, f"{base}_split")
-        if sizes is not None:
-            graph.register_initializer(sizes)
+        split = _split_node(graph, mm.outputs[0], widths, opset, f"{base}_split")
         graph.insert_before(nodes[0], [mm, split])
         for node, part in zip(nodes, split.outputs):
             out = node.outputs[0]

@@ -98,8 +98,8 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 from ort_ops._domain import DOMAIN, OPSET_VERSION
 from ort_ops.ops._moe import EKN, EN16K4, OAI_ALPHA, OAI_LIMIT, WEIGHT_LAYOUTS, moe_experts_float, pack_en16k4
 from ort_ops.ops._quant import quantize_expert_weights
-from ort_ops.rewrite._graph import (Prober, attr_int, const_array, fold_const, has_bfloat16, named_values,
-                                    same_values, synthetic_feeds)
+from ort_ops.rewrite._graph import (Prober, attr_int, const_array, fold_const, has_bfloat16, initializer,
+                                    named_values, same_values, synthetic_feeds)
 from ort_ops.rewrite.pipeline import Decline, FusionResult
 
 # Activations that are not the SiLU-gated product the chain computes; their presence in a block
@@ -874,18 +874,6 @@ def _analyze(model: ir.Model, cand: _Candidate, probes: list[dict]) -> _Block:
 # emission
 
 
-def _initializer(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    base, i = name, 0
-    while name in graph.initializers:
-        i += 1
-        name = f"{base}_{i}"
-    v = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
-    v.shape = ir.Shape(arr.shape)
-    v.type = ir.TensorType(ir.DataType.from_numpy(arr.dtype))
-    graph.register_initializer(v)
-    return v
-
-
 def check_weight_layout(weight_layout: str) -> None:
     if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"rewrite: moe_weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, "
@@ -947,18 +935,18 @@ def emit_int8_chain(graph: ir.Graph, prefix: str, x: ir.Value, ids: ir.Value, we
     gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
     dn_q, dn_s = quantize_expert_weights(w_down)
     dn_q, dn_attrs = _down_weight(dn_q, weight_layout)
-    inits = [_initializer(graph, f"{prefix}/gate_up_int8", gu_q),
-             _initializer(graph, f"{prefix}/gate_up_scale", gu_s),
-             _initializer(graph, f"{prefix}/down_int8", dn_q),
-             _initializer(graph, f"{prefix}/down_scale", dn_s)]
+    inits = [initializer(graph, f"{prefix}/gate_up_int8", gu_q),
+             initializer(graph, f"{prefix}/gate_up_scale", gu_s),
+             initializer(graph, f"{prefix}/down_int8", dn_q),
+             initializer(graph, f"{prefix}/down_scale", dn_s)]
     nbytes = gu_q.nbytes + gu_s.nbytes + dn_q.nbytes + dn_s.nbytes
     gu_bias = dn_bias = None
     if b_gate is not None:
         arr = np.concatenate([b_gate, b_up], axis=1).astype(np.float32)
-        gu_bias, nbytes = _initializer(graph, f"{prefix}/gate_up_bias", arr), nbytes + arr.nbytes
+        gu_bias, nbytes = initializer(graph, f"{prefix}/gate_up_bias", arr), nbytes + arr.nbytes
     if b_down is not None:
         arr = np.asarray(b_down, np.float32)
-        dn_bias, nbytes = _initializer(graph, f"{prefix}/down_bias", arr), nbytes + arr.nbytes
+        dn_bias, nbytes = initializer(graph, f"{prefix}/down_bias", arr), nbytes + arr.nbytes
     nodes = []
 
     def add(op, inputs, num_outputs=1, domain=DOMAIN, tag="", **attrs):
@@ -1200,7 +1188,7 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = EKN
     gu_q, gu_attrs = _swiglu_weight(gu_q, weight_layout)
     dn_q, dn_s = quantize_expert_weights(wd[None])
     dn_q, dn_attrs = _down_weight(dn_q, weight_layout)
-    inits = [_initializer(graph, f"{prefix}/{n}", a) for n, a in
+    inits = [initializer(graph, f"{prefix}/{n}", a) for n, a in
              [("gate_up_int8", gu_q), ("gate_up_scale", gu_s), ("down_int8", dn_q), ("down_scale", dn_s)]]
     nodes = []
 
@@ -1216,7 +1204,7 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = EKN
 
     x_in = x
     if rank != 2:  # [..., H] -> [T, H]: the GEMM ops take rows
-        x = add("Reshape", [x, _initializer(graph, f"{prefix}/shape_TH", np.array([-1, wg.shape[0]], np.int64))],
+        x = add("Reshape", [x, initializer(graph, f"{prefix}/shape_TH", np.array([-1, wg.shape[0]], np.int64))],
                 domain="")[0]
     groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
     if x_dtype == ir.DataType.BFLOAT16:  # the ops take float32/float16 activations
@@ -1351,13 +1339,13 @@ def _fuse_contrib(model: ir.Model, node: ir.Node, weight_layout: str = EKN) -> d
 
     x2 = x
     if x.shape is None or len(x.shape) != 2:
-        x2 = add("Reshape", [x, _initializer(graph, f"{prefix}/shape_TH", np.array([-1, h], np.int64))])[0]
+        x2 = add("Reshape", [x, initializer(graph, f"{prefix}/shape_TH", np.array([-1, h], np.int64))])[0]
     probs = add("Softmax", [logits], axis=-1)[0]
-    vals, ids = add("TopK", [probs, _initializer(graph, f"{prefix}/k", np.array([k], np.int64))], 2,
+    vals, ids = add("TopK", [probs, initializer(graph, f"{prefix}/k", np.array([k], np.int64))], 2,
                     axis=-1, largest=1, sorted=1)
     wts = vals
     if attr_int(node, "normalize_routing_weights", 0):
-        s = add("ReduceSum", [vals, _initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
+        s = add("ReduceSum", [vals, initializer(graph, f"{prefix}/axis", np.array([-1], np.int64))], keepdims=1)[0]
         wts = add("Div", [vals, s])[0]
     nodes, out, nbytes = emit_int8_chain(graph, prefix, x2, ids, wts, gate.transpose(0, 2, 1),
                                          up.transpose(0, 2, 1), down.transpose(0, 2, 1), weight_layout)

@@ -1108,7 +1108,8 @@ def fuse_paged_attention_int8(model: ir.Model, options: RewriteOptions) -> Fusio
             probes2 = {}
     ctx = _Ctx(work, options, paged, past, probes, probes2, probe_mask, g.PROBE_PAST if paged else 0,
                probe_error, proto=_without_large_initializers(probed), bfloat16=bf16)
-    del probed, past_probed, prober  # (the twin's float32 weights, the probe session)
+    probed = past_probed = None  # the twin's float32 weights, released
+    prober.clear()  # and the probe session
     for v in work.graph.inputs:
         if "attention_mask" in (v.name or ""):
             ctx.shared["attention_mask"] = v

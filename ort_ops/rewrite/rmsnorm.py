@@ -47,28 +47,6 @@ _FLOAT = ir.DataType.FLOAT
 _NARROW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-def _dtype(value: ir.Value | None) -> ir.DataType | None:
-    """The value's element type, from its type, the Cast that made it or its constant."""
-    if value is None:
-        return None
-    if value.dtype is not None:
-        return value.dtype
-    p = value.producer()
-    if p is not None and p.op_type == "Cast" and p.domain == "":
-        return ir.DataType(g.attr_int(p, "to"))
-    return value.const_value.dtype if value.const_value is not None else None
-
-
-def _only_use(value: ir.Value, op_type: str) -> ir.Node | None:
-    """The single node that reads ``value``, when it is an ``op_type`` and ``value`` is not a
-    graph output."""
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    node = uses[0].node
-    return node if node.op_type == op_type and node.domain == "" else None
-
-
 def _other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
     """The input of a two-input node that is not ``value`` (None unless exactly one is)."""
     ins = list(node.inputs)
@@ -106,43 +84,43 @@ def _match(rm: ir.Node):
         x32 = pw.inputs[0]
     else:
         return None
-    if x32 is None or _dtype(x32) != _FLOAT or not _last_axis_mean(rm, x32):
+    if x32 is None or g.element_type(x32) != _FLOAT or not _last_axis_mean(rm, x32):
         return None
-    add = _only_use(rm.outputs[0], "Add")
+    add = g.only_reader(rm.outputs[0], "Add")
     eps = g.const_scalar(_other_input(add, rm.outputs[0])) if add is not None else None
     if eps is None or not 0.0 <= eps < 1.0:
         return None
-    sqrt = _only_use(add.outputs[0], "Sqrt")
+    sqrt = g.only_reader(add.outputs[0], "Sqrt")
     if sqrt is None:
         return None
     chain = [pw, rm, add, sqrt]
-    rec = _only_use(sqrt.outputs[0], "Reciprocal")
+    rec = g.only_reader(sqrt.outputs[0], "Reciprocal")
     if rec is not None:
-        m1 = _only_use(rec.outputs[0], "Mul")
+        m1 = g.only_reader(rec.outputs[0], "Mul")
         if m1 is None or _other_input(m1, rec.outputs[0]) is not x32:
             return None
         chain += [rec, m1]
     else:
-        m1 = _only_use(sqrt.outputs[0], "Div")
+        m1 = g.only_reader(sqrt.outputs[0], "Div")
         if m1 is None or m1.inputs[0] is not x32 or m1.inputs[1] is not sqrt.outputs[0]:
             return None
         chain.append(m1)
     y = m1.outputs[0]
     cast_in = x32.producer()
     if cast_in is not None and cast_in.op_type == "Cast" and cast_in.domain == "" and \
-            _dtype(cast_in.inputs[0]) in _NARROW:
+            g.element_type(cast_in.inputs[0]) in _NARROW:
         x = cast_in.inputs[0]  # x32 = Cast(x): the chain's Cast back to x's type must follow
-        cast_out = _only_use(y, "Cast")
-        if cast_out is None or g.attr_int(cast_out, "to") != _dtype(x).value:
+        cast_out = g.only_reader(y, "Cast")
+        if cast_out is None or g.attr_int(cast_out, "to") != g.element_type(x).value:
             return None
         chain.append(cast_out)
         y = cast_out.outputs[0]
     else:
         x = x32
-    m2 = _only_use(y, "Mul")
+    m2 = g.only_reader(y, "Mul")
     w = _other_input(m2, y) if m2 is not None else None
     wv = g.const_array(w)
-    if wv is None or _dtype(w) != _dtype(x) or wv.ndim < 1 or np.prod(wv.shape[:-1]) != 1:
+    if wv is None or g.element_type(w) != g.element_type(x) or wv.ndim < 1 or np.prod(wv.shape[:-1]) != 1:
         return None
     last = g.dim(x, -1)
     if last is not None and wv.shape[-1] != last:
@@ -182,7 +160,7 @@ def _residual_add(norm: ir.Node) -> ir.Node | None:
             return None
         if da is None and db is None and a.shape is not None and b.shape is not None and a.shape[axis] != b.shape[axis]:
             return None
-    if _dtype(a) is None or _dtype(a) != _dtype(b) or _dtype(a) != _dtype(norm.inputs[1]):
+    if g.element_type(a) is None or g.element_type(a) != g.element_type(b) or g.element_type(a) != g.element_type(norm.inputs[1]):
         return None
     return add
 
@@ -237,7 +215,7 @@ def fuse_rmsnorm(model: ir.Model, options: RewriteOptions) -> FusionResult:
         node = ir.node("SimplifiedLayerNormalization", [x, weight],
                        attributes={"axis": -1, "epsilon": float(eps), "stash_type": 1},
                        name=f"{chain[-1].name or out.name}_rmsnorm")
-        node.outputs[0].dtype = _dtype(x)  # the kernel's output has x's type, as the chain's has
+        node.outputs[0].dtype = g.element_type(x)  # the kernel's output has x's type, as the chain's has
         if out.shape is not None:
             node.outputs[0].shape = out.shape
         graph.insert_before(chain[-1], node)
@@ -250,7 +228,7 @@ def fuse_rmsnorm(model: ir.Model, options: RewriteOptions) -> FusionResult:
         if cast_in is not None and not list(cast_in.outputs[0].uses()) and not cast_in.outputs[0].is_graph_output():
             graph.remove(cast_in, safe=True)
         result.fused += 1
-        dtypes[str(_dtype(x))] = dtypes.get(str(_dtype(x)), 0) + 1
+        dtypes[str(g.element_type(x))] = dtypes.get(str(g.element_type(x)), 0) + 1
     result.details["dtypes"] = dtypes
     skip = 0
     for norm in [n for n in graph if n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx")]:

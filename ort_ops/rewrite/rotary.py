@@ -151,15 +151,6 @@ def _known(arr: np.ndarray | None) -> list[int] | None:
 # --- the chain ------------------------------------------------------------------------------------
 
 
-def _only_reader(value: ir.Value, op_type: str) -> ir.Node | None:
-    """The one node reading ``value`` (an ``op_type``), when ``value`` is no graph output."""
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    node = uses[0].node
-    return node if node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-
 def _readers(value: ir.Value) -> list[ir.Node]:
     return list(dict.fromkeys(u.node for u in value.uses()))
 
@@ -241,9 +232,9 @@ def _match_rotate_half(cat: ir.Node) -> tuple[_Rope | None, str]:
         return None, "the rotated halves are not x[..., :h] and x[..., h:] of one tensor (Slice/Split on the last axis)"
     x, h, parts = found
     rot = cat.outputs[0]
-    mul_s = _only_reader(rot, "Mul")
+    mul_s = g.only_reader(rot, "Mul")
     sin = _mul_by(mul_s, rot)
-    add = _only_reader(mul_s.outputs[0], "Add") if mul_s is not None else None
+    add = g.only_reader(mul_s.outputs[0], "Add") if mul_s is not None else None
     if sin is None or add is None or len(add.inputs) != 2:
         return None, "Concat(Neg(x2), x1) is not read once by Mul(., sin) read once by Add"
     other = add.inputs[1] if add.inputs[0] is mul_s.outputs[0] else add.inputs[0]
@@ -346,22 +337,6 @@ def _per_token(v: ir.Value) -> ir.Value:
     return v
 
 
-def _dtype(v: ir.Value | None, depth: int = 0) -> ir.DataType | None:
-    """``v``'s element type: its own, a Cast's target, or that of the input of a layout op."""
-    if v is None or depth > 8:
-        return None
-    if v.dtype is not None:
-        return v.dtype
-    n = v.producer()
-    if n is None or n.domain not in ("", "ai.onnx"):
-        return None
-    if n.op_type == "Cast":
-        return ir.DataType(g.attr_int(n, "to"))
-    if n.op_type in ("Transpose", "Reshape", "Unsqueeze", "Squeeze", "Identity"):
-        return _dtype(n.inputs[0], depth + 1)
-    return None
-
-
 def _head_dim(x: ir.Value, y: ir.Value) -> int | None:
     """D from the static last dim of x or y, or from the constant target of the Reshape making y."""
     for v in (x, y):
@@ -384,12 +359,12 @@ def _check(rope: _Rope) -> str:
         return "the head dim is not static"
     if d != 2 * rope.half:
         return f"the chain rotates {2 * rope.half} of {d} head dims (partial rotary)"
-    dt = rope.dtype = _dtype(rope.x)
+    dt = rope.dtype = g.element_type(rope.x)
     if dt not in _TYPES:
         return f"element type {dt} (RotaryEmbedding has float, float16 and bfloat16 kernels)"
     for v in (rope.cos, rope.sin):
-        if _dtype(v) != dt:
-            return f"'{v.name}' is {_dtype(v)}, the rotated tensor {dt}"
+        if g.element_type(v) != dt:
+            return f"'{v.name}' is {g.element_type(v)}, the rotated tensor {dt}"
     if rope.out.is_graph_output():
         return "the rotated tensor is a graph output"
     if rope.form == "rotate_half":
@@ -494,17 +469,6 @@ def _candidates(graph: ir.Graph) -> list[tuple[ir.Node, str]]:
     return out
 
 
-def _const(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
-    """An initializer named ``name`` (a fresh name when taken) holding ``arr``."""
-    taken = set(graph.initializers) | {v.name for v in graph.inputs}
-    unique, i = name, 1
-    while unique in taken:
-        unique, i = f"{name}_{i}", i + 1
-    v = ir.Value(name=unique, const_value=ir.tensor(arr, name=unique))
-    graph.register_initializer(v)
-    return v
-
-
 def _sweep(graph: ir.Graph, values: list[ir.Value]) -> None:
     """Removes the nodes (and initializers) left without readers among ``values`` and what only
     they read: the halves' Slices/Splits, the Slice bounds' Shape arithmetic, the cos/sin
@@ -578,8 +542,8 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
         return result
 
     model.opset_imports.setdefault(MS_DOMAIN, 1)
-    position = _const(graph, "rotary_position_offset", np.zeros(1, np.int64))
-    to_bsh = _const(graph, "rotary_bsh_shape", np.array([0, 0, -1], np.int64))
+    position = g.initializer(graph, "rotary_position_offset", np.zeros(1, np.int64))
+    to_bsh = g.initializer(graph, "rotary_bsh_shape", np.array([0, 0, -1], np.int64))
     to_bsnd: dict[int, ir.Value] = {}
     bnsh_index = None
     caches: dict[int, ir.Value] = {}  # id(per-token cos or sin) -> its [T, h] cache
@@ -596,14 +560,14 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
             if id(tok) not in caches:
                 src = tok
                 if r.form == "rotate_half":  # the first half: the second is the same values
-                    sl = ir.node("Slice", [tok, _const(graph, f"{tok.name}_half_start", np.array([0], np.int64)),
-                                           _const(graph, f"{tok.name}_half_end", np.array([r.half], np.int64)),
-                                           _const(graph, f"{tok.name}_half_axis", np.array([-1], np.int64))],
+                    sl = ir.node("Slice", [tok, g.initializer(graph, f"{tok.name}_half_start", np.array([0], np.int64)),
+                                           g.initializer(graph, f"{tok.name}_half_end", np.array([r.half], np.int64)),
+                                           g.initializer(graph, f"{tok.name}_half_axis", np.array([-1], np.int64))],
                                  name=f"{tok.name}_rotary_half")
                     sl.outputs[0].name, sl.outputs[0].dtype = f"{tok.name}_rotary_half", r.dtype
                     new_nodes.append(sl)
                     src = sl.outputs[0]
-                rs = ir.node("Reshape", [src, _const(graph, f"{tok.name}_cache_shape", np.array([-1, r.half], np.int64))],
+                rs = ir.node("Reshape", [src, g.initializer(graph, f"{tok.name}_cache_shape", np.array([-1, r.half], np.int64))],
                              name=f"{tok.name}_rotary_cache")
                 rs.outputs[0].name, rs.outputs[0].dtype = f"{tok.name}_rotary_cache", r.dtype
                 new_nodes.append(rs)
@@ -611,7 +575,7 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
                 result.details["caches"] += 1
             cache_values.append(caches[id(tok)])
         if r.half * 2 not in to_bsnd:
-            to_bsnd[r.half * 2] = _const(graph, f"rotary_bsnd_shape_{r.half * 2}",
+            to_bsnd[r.half * 2] = g.initializer(graph, f"rotary_bsnd_shape_{r.half * 2}",
                                          np.array([0, 0, -1, r.half * 2], np.int64))
         base = r.out.name
         flat = ir.node("Reshape", [r.y, to_bsh], name=f"{base}_rotary_in")
@@ -637,7 +601,7 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
                 uses = list(reader.outputs[0].uses())
                 reader.replace_input_with(0, back.outputs[0])
                 if bnsh_index is None:
-                    bnsh_index = _const(graph, "rotary_bnsh_axes", np.array(_BNSH, np.int64))
+                    bnsh_index = g.initializer(graph, "rotary_bnsh_axes", np.array(_BNSH, np.int64))
                 perm = ir.node("Gather", [reader.outputs[0], bnsh_index], attributes={"axis": 0},
                                name=f"{reader.name or base}_bnsh")
                 perm.outputs[0].name, perm.outputs[0].dtype = f"{reader.outputs[0].name}_bnsh", ir.DataType.INT64
