@@ -360,14 +360,19 @@ def bench_decode(args, writer, flush, gen):
             replays, meta = {}, {}
             for pv in args.pv:
                 for splits in args.splits:
-                    pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
-                                              partition_size=args.partition, num_splits=splits, window=args.window)
-                    out = pa()
-                    st = pa.status()
-                    rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
-                    name = f"ours-{pv}" + (f" splits={pa.nsplit}" if len(args.splits) > 1 else "")
-                    replays[name] = prepare(pa)
-                    meta[name] = {"impl": f"ours-{pv}", "nbytes": kv_bytes, "rel": rel, "splits": pa.nsplit, "status": st}
+                    for loop in args.decode_loops:
+                        pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
+                                                  partition_size=args.partition, num_splits=splits,
+                                                  window=args.window)
+                        fn = _with_env("ORT_OPS_PA_DECODE", "single" if loop == "single" else None, pa)
+                        out = fn()
+                        st = pa.status()
+                        rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
+                        impl = f"ours-{pv}" + (f"-{loop}" if len(args.decode_loops) > 1 else "")
+                        name = impl + (f" splits={pa.nsplit}" if len(args.splits) > 1 else "")
+                        with _env("ORT_OPS_PA_DECODE", "single" if loop == "single" else None):
+                            replays[name] = prepare(fn)  # a graph keeps the loop it was captured with
+                        meta[name] = {"impl": impl, "nbytes": kv_bytes, "rel": rel, "splits": pa.nsplit, "status": st}
             if "ours-ort" in peers and args.window == 0:  # its session has no window attribute
                 for pv in args.ort_pv:
                     if why.get("ours-ort"):
@@ -483,30 +488,40 @@ def bench_prefill(args, writer, flush, gen):
     return rows
 
 
-def _with_kernel_env(kernel, fn):
-    """fn() with the prefill kernel's environment set for the call itself (an eager launch reads
-    it when it is timed, not when it was prepared)."""
+def _with_env(var, value, fn):
+    """fn() with environment variable var set to value (None: unset) for the call itself: the
+    launcher reads its kernel switches (ORT_OPS_PA_PREFILL, ORT_OPS_PA_DECODE) when a kernel is
+    launched, so an eager launch must see them when it is timed, not when it was prepared."""
     def run():
-        with _prefill_kernel_env(kernel):
+        with _env(var, value):
             return fn()
 
     return run
 
 
-@contextlib.contextmanager
+def _with_kernel_env(kernel, fn):
+    """fn() with the prefill kernel's environment (ORT_OPS_PA_PREFILL=general for the general
+    kernel, unset for the prefill kernel)."""
+    return _with_env("ORT_OPS_PA_PREFILL", "general" if kernel == "general" else None, fn)
+
+
 def _prefill_kernel_env(kernel):
-    """ORT_OPS_PA_PREFILL=general for the general kernel, unset for the prefill kernel."""
+    return _env("ORT_OPS_PA_PREFILL", "general" if kernel == "general" else None)
+
+
+@contextlib.contextmanager
+def _env(var, value):
     import os
 
-    old = os.environ.pop("ORT_OPS_PA_PREFILL", None)
-    if kernel == "general":
-        os.environ["ORT_OPS_PA_PREFILL"] = "general"
+    old = os.environ.pop(var, None)
+    if value is not None:
+        os.environ[var] = value
     try:
         yield
     finally:
-        os.environ.pop("ORT_OPS_PA_PREFILL", None)
+        os.environ.pop(var, None)
         if old is not None:
-            os.environ["ORT_OPS_PA_PREFILL"] = old
+            os.environ[var] = old
 
 
 def main(argv=None) -> int:
@@ -528,6 +543,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-kernels", nargs="+", default=["prefill", "general"], choices=["prefill", "general"],
                     help="prefill rows: the 64-row prefill kernel and/or the general kernel (same run)")
     ap.add_argument("--rounds", type=int, default=3, help="prefill: alternate the kernels and modes this often")
+    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "single"],
+                    help="decode: the launcher's loop (auto: at head dim 64 with blocks >= 64 the dual-stage "
+                         "loop) and/or the one-stage loop (ORT_OPS_PA_DECODE=single), timed interleaved")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     ap.add_argument("--no-decode", action="store_true")

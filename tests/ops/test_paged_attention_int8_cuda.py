@@ -176,6 +176,11 @@ DECODE_CASES = [
     ([2049, 95, 160, 129], 8, 2, 32, 128),
     ([257, 33], 4, 4, 32, 32),
     ([700, 5, 64], 32, 2, 32, 64),
+    # D 64, blocks >= 64: the dual-stage loop (two of a warp's 32-key stages an iteration; the
+    # llama-1B shape G 4): counts of a warp's stages that are odd, even, zero (lengths 95, 129)
+    # and leave the pair's last stage to one warp.
+    ([2049, 95, 160, 129, 4096], 32, 8, 64, 64),
+    ([1025, 64, 3, 288], 8, 2, 64, 128),
 ]
 
 
@@ -203,7 +208,7 @@ def test_partition_size_changes_nothing_beyond_rounding(rng, partition_size, blo
 
 
 @pytest.mark.parametrize("pv_quant", ["s8", "none"])
-@pytest.mark.parametrize("d,b", [(128, 64), (64, 32), (32, 16)])
+@pytest.mark.parametrize("d,b", [(128, 64), (64, 32), (32, 16), (64, 64)])
 def test_decode_running_max_jumps(rng, d, b, pv_quant):
     """Scores that climb by ~90 (log2 units) along sequence 0 and sit far below an early spike in
     sequence 1: the decode kernel rescales O and l only when a row's max passes its reference by
@@ -304,7 +309,7 @@ def test_bad_inputs_are_flagged_not_read(rng):
     assert _run(q2, cache, cu)[1] & 4
 
 
-@pytest.mark.parametrize("d,b", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("d,b", [(128, 64), (64, 128), (64, 64)])
 def test_bad_block_flagged_in_shared_stages(rng, d, b):
     """Blocks >= 64 (the warp-decode stages two warps share): an out-of-range block id the
     context needs is flagged, whether it holds many keys of a stage or only the sequence's last."""
@@ -582,7 +587,7 @@ def test_prefill_ignores_nan_scales_past_seq_len(monkeypatch, rng, b, pv_quant, 
 
 # ---------------------------------------------------------------- many splits; the op's status word
 
-@pytest.mark.parametrize("d", [128, 32])
+@pytest.mark.parametrize("d", [128, 64, 32])
 @pytest.mark.parametrize("pv_quant", ["s8", "none"])
 def test_decode_many_splits(rng, pv_quant, d):
     """Decode with 32-key partitions split 64 and 66 ways (and 40 / 3 / auto): the merge kernel's
@@ -693,8 +698,33 @@ def test_decode_window_softcap_sink(rng, case, pv_quant):
                              f"{dtype} {attrs} sink={hs is not None} splits={split}")
 
 
+@pytest.mark.parametrize("loop", ["dual", "single"])
+@pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
+@pytest.mark.parametrize("b", [64, 128])
+def test_head_dim_64_stage_loops(monkeypatch, rng, b, pv_quant, loop):
+    """Head dim 64 with blocks >= 64 runs two of a warp's 32-key stages an iteration (the dual
+    loop); ORT_OPS_PA_DECODE=single forces the one-stage loop. Both against the reference with
+    a window (its start mid-stage and mid-block), softcap and sinks, splits 0 / 1 / 3 / 7 at the
+    default partition (64-aligned split starts: the shared stages), lengths whose last iteration
+    has one stage, two, or only the partner's."""
+    if loop == "single":
+        monkeypatch.setenv("ORT_OPS_PA_DECODE", "single")
+    lens, hq, hkv, d = [3001, 97, 190, 1, 2176], 32, 8, 64
+    dtype = "float16"
+    query, cache, _ = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, dtype, decode=True)
+    sink = _sinks(rng, hq, "mixed")
+    for attrs in ({}, {"window": 333}, {"softcap": 3.0}, {"window": 1500, "softcap": 30.0}):
+        for hs in (None, sink):
+            want, step = _ref(query, cache, None, pv_quant=pv_quant, head_sink=hs, **attrs)
+            for split in (0, 1, 3, 7):
+                got, status = _run_extras(query, cache, None, hs, pv_quant=pv_quant, num_splits=split, **attrs)
+                assert status == 0, _cuda.PA_STATUS.get(status, status)
+                _check_close(got.cpu().numpy(), want, step, cache, pv_quant, dtype,
+                             f"{loop} {attrs} sink={hs is not None} splits={split}")
+
+
 @pytest.mark.parametrize("kind", ["pos_large", "neg_large", "mixed"])
-@pytest.mark.parametrize("d,b", [(128, 64), (256, 16), (32, 64)])
+@pytest.mark.parametrize("d,b", [(128, 64), (256, 16), (32, 64), (64, 64)])
 def test_decode_sink_with_and_without_splits(rng, kind, d, b):
     """Sinks far above the scores (+30: outputs shrink by ~e^-30; the bound is relative to the
     reference's own output) and far below (-30: no effect), merged by the split merge or not."""

@@ -42,11 +42,14 @@
 //     general_pv_tile (phase 4); then general_row_sums and general_write_out.
 //   decode_warp_kernel: warp_decode_work, WdIds (raw block ids), warp_decode_query_row, WdLoader
 //     (stage copies), per stage warp_decode_stage (warp_decode_scores, rescale_row,
-//     group_weights8, warp_decode_pv); then warp_decode_merge_out.
+//     group_weights8, warp_decode_pv), or per two stages warp_decode_stage2 (the dual loop: D 64
+//     with shared 64-key stages); then warp_decode_merge_out.
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/launch.cuh"
 #include "ops/paged_attention_int8/cuda.cuh"
@@ -698,6 +701,8 @@ struct WCfg {
 // 2-slot rings, so three CTAs (12 warps) fit an SM; the best of the shapes swept (4 x 3, 6 x 2,
 // 12 x 2, 8 x 3; benchmarks/NOTES_attention_cuda.md). D 64 keeps 4 x 3 (three CTAs fit), and D 32
 // takes the same (smaller stages; at D 32 a lane's K slice is one 8-byte read, load_k_slice).
+// D 64 with shared 64-key stages runs 4 x 4 instead, two stages computed an iteration (DUAL; two
+// CTAs fit, which the split model assumes for every warp-decode shape).
 template <int D>
 struct WarpShape {
   static constexpr int DW = 4;
@@ -718,11 +723,12 @@ __device__ __forceinline__ void pair_barrier(int warp) {
 // many pair barriers anyway, so that every warp reaches the merge's __syncthreads having passed
 // the same number of barriers: compute-sanitizer's racecheck orders shared-memory accesses by
 // that count, and without this reports the wm / wl writes and reads of the merge as hazards
-// between warps of different pairs (the hardware needs no such padding).
-template <int DW>
+// between warps of different pairs (the hardware needs no such padding). STEP: pair stages per
+// loop iteration (one barrier each iteration; 2 in the dual-stage loop).
+template <int DW, int STEP>
 __device__ __forceinline__ void pair_barrier_padding(int nst64, int nwp, int warp) {
   const int nwp_pair0 = nst64 > 0 ? (nst64 + DW / 2 - 1) / (DW / 2) : 0;
-  for (int i = nwp; i < nwp_pair0; ++i) pair_barrier(warp);
+  for (int i = (nwp + STEP - 1) / STEP; i < (nwp_pair0 + STEP - 1) / STEP; ++i) pair_barrier(warp);
 }
 
 // The CTA's work: (sequence, kv head, split) and the split's first key. With a window the query
@@ -1039,6 +1045,45 @@ __device__ __forceinline__ void warp_decode_stage(const unsigned char* ks, const
   warp_decode_pv<D, PV, VRS>(wv, gmax, beta, v_sm, g, o);
 }
 
+// Two of the warp's 32-key stages (A, then B: two W groups) as one step: both stages' Q.K and
+// softmax chains are independent until the shared rescale decision, so the warp's instruction
+// stream interleaves them (at head_dim 64 one stage's chain of MMAs, shuffles, exp and divisions
+// bounds the kernel, not its bytes: benchmarks/NOTES_attention_cuda.md). The rescale moves m_run
+// once, to the larger of the two stage maxima when it passes the reference by kLazyRescale, so
+// both stages' beta stay <= e^kLazyRescale; each group's codes depend only on its own max, as in
+// warp_decode_stage, so the codes are the same as two warp_decode_stage calls would make.
+template <int D, PvQuant PV, int KS, int VRS>
+__device__ __forceinline__ void warp_decode_stage2(const unsigned char* ks_a, const unsigned char* ss_a,
+                                                   const unsigned char* v_a, const unsigned char* ks_b,
+                                                   const unsigned char* ss_b, const unsigned char* v_b, int krow0,
+                                                   int g, int t, const uint32_t (&qa)[D / 16], float sq, int lim_a,
+                                                   int lo_a, int lim_b, int lo_b, float scale, float softcap,
+                                                   float (&o)[D / 8][2], float& m_run, float& l_run) {
+  float sc_a[8], sv_a[8], mp_a, sc_b[8], sv_b[8], mp_b;
+  warp_decode_scores<D, KS>(ks_a, ss_a, krow0, t, qa, sq, lim_a, lo_a, scale, softcap, sc_a, mp_a, sv_a);
+  warp_decode_scores<D, KS>(ks_b, ss_b, krow0, t, qa, sq, lim_b, lo_b, scale, softcap, sc_b, mp_b, sv_b);
+  const float mp = fmaxf(mp_a, mp_b);
+  if (__any_sync(0xffffffffu, mp > m_run + kLazyRescale)) rescale_row(m_run, l_run, mp, o, 0);
+  const float beta_a = mp_a == kNegInf ? 0.0f : fast_exp(mp_a - m_run);
+  const float beta_b = mp_b == kNegInf ? 0.0f : fast_exp(mp_b - m_run);
+  float wv_a[8], wv_b[8];
+  float esum_a = 0.0f, esum_b = 0.0f, gmax_a, gmax_b;
+  bool vis_a[8], vis_b[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    vis_a[k] = k < lim_a && k >= lo_a;
+    vis_b[k] = k < lim_b && k >= lo_b;
+  }
+  group_weights8(sc_a, sv_a, 0, vis_a, mp_a, wv_a, esum_a, gmax_a);
+  group_weights8(sc_b, sv_b, 0, vis_b, mp_b, wv_b, esum_b, gmax_b);
+  gmax_a = warp_max4(gmax_a);
+  gmax_b = warp_max4(gmax_b);
+  l_run = fmaf(beta_a, esum_a, l_run);
+  l_run = fmaf(beta_b, esum_b, l_run);
+  warp_decode_pv<D, PV, VRS>(wv_a, gmax_a, beta_a, v_a, g, o);
+  warp_decode_pv<D, PV, VRS>(wv_b, gmax_b, beta_b, v_b, g, o);
+}
+
 // ---- merge the warps by log-sum-exp, then write O / l (and m, l for the split merge) ----
 // Each warp's O (scaled to the common max) goes to its own ring (free: all its copies landed);
 // the CTA then sums the DW slices per output element.
@@ -1108,9 +1153,14 @@ __device__ __forceinline__ void warp_decode_merge_out(const PagedAttentionParams
   }
 }
 
-template <int D, PvQuant PV, int DW_, int NS_, bool VROWS>
+// DUAL (VROWS only, NS 4): the loop takes two of the warp's stages an iteration (warp_decode_stage2):
+// at the top both have landed (nothing else is in flight), one pair barrier, the next two are
+// issued into the slots of the two computed last iteration, then both are computed while those
+// two are on their way: the same 64 keys a warp in flight as NS 3's two single stages.
+template <int D, PvQuant PV, int DW_, int NS_, bool VROWS, bool DUAL>
 __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>::MIN_BLOCKS)
     decode_warp_kernel(PagedAttentionParams p, TileShape ts) {
+  static_assert(!DUAL || (VROWS && NS_ == 4), "the dual-stage loop: shared 64-key stages, two computed + two in flight");
   using C = WCfg<D, DW_, NS_>;
   using S = WdSlots<D, DW_, NS_, VROWS>;
   constexpr int DW = C::DW;
@@ -1151,9 +1201,11 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   const int nst64 = warp_stages<DW, VROWS>(k_hi, w.k_lo, warp, nw, nwp);
   const WdLoader<D, DW, NS, VROWS> ld(p, ids, Hkv, B, k_hi, nw, nwp, w.h, warp, lane, ring, sbase_ptr, kof, sof);
 
+  constexpr int kAhead = DUAL ? 2 : NS - 1;  // stages issued before the loop
 #pragma unroll
-  for (int li = 0; li < NS - 1; ++li) ld.issue(li, li, rid0[li], rid1[li]);
-  int nb0 = rid0[NS - 1], nb1 = rid1[NS - 1];  // raw ids of the next stage to issue
+  for (int li = 0; li < kAhead; ++li) ld.issue(li, li, rid0[li], rid1[li]);
+  int nb0 = rid0[kAhead], nb1 = rid1[kAhead];  // raw ids of the next stage to issue
+  int nc0 = rid0[NS - 1], nc1 = rid1[NS - 1];  // DUAL: and of the one after it
   // The merge may launch (it waits). Without a merge the next kernel is another op's (the next
   // layer's): it launches when this grid is done, not resident beside it for the whole kernel.
   if (ts.nsplit > 1) ptx::griddep_launch_dependents();
@@ -1173,36 +1225,61 @@ __global__ void __launch_bounds__(32 * WCfg<D, DW_, NS_>::DW, WCfg<D, DW_, NS_>:
   // Row of n-tile j's B fragment this lane reads: key 8 (g >> 1) + 2j + (g & 1).
   const int krow0 = 8 * (g >> 1) + (g & 1);
 
-  int wslot = NS - 1, rslot = 0;  // ring slots of the stage issued / consumed this iteration
   // VROWS: a pair slot is refilled only when both warps are done with it, so the refill follows
   // the barrier that also makes the partner's copies of stage i visible.
   const int v_lane_off = VROWS ? 32 * (half ^ ((g >> 1) & 1)) + 8 * t : 8 * t;
-  for (int i = 0; i < nwp; ++i) {
-    if constexpr (VROWS) {
-      cp_async_wait<NS - 2>();  // this warp's part of stage i has landed
-      pair_barrier(warp);       // the partner's too, and both are done with stage i - 1's slot
-      ld.issue(i + NS - 1, wslot, nb0, nb1);
-      wslot = wslot == NS - 1 ? 0 : wslot + 1;
-      ids.raw_ids(i + NS, nb0, nb1);
-    } else {
-      ld.issue(i + NS - 1, wslot, nb0, nb1);
-      wslot = wslot == NS - 1 ? 0 : wslot + 1;
-      ids.raw_ids(i + NS, nb0, nb1);
-      cp_async_wait<NS - 1>();  // stage i has landed
+  if constexpr (DUAL) {
+    for (int i = 0; i < nwp; i += 2) {
+      cp_async_wait<0>();   // this warp's parts of stages i and i + 1 have landed
+      pair_barrier(warp);   // the partner's too, and both are done with stages i - 2 and i - 1
+      ld.issue(i + 2, (i + 2) & 3, nb0, nb1);
+      ld.issue(i + 3, (i + 3) & 3, nc0, nc1);
+      ids.raw_ids(i + 4, nb0, nb1);
+      ids.raw_ids(i + 5, nc0, nc1);
+      const unsigned char* st_a = sbase_ptr + (i & 3) * S::SST;
+      const unsigned char* st_b = sbase_ptr + ((i + 1) & 3) * S::SST;
+      const int kp_a = ids.kp0_of(i), kp_b = ids.kp0_of(i + 1);
+      const int lim_a = (row_ok ? k_hi - kp_a : 0) - 8 * t, lo_a = w.k_first - kp_a - 8 * t;
+      const int lim_b = (row_ok ? k_hi - kp_b : 0) - 8 * t, lo_b = w.k_first - kp_b - 8 * t;
+      if (i + 1 < nw) {
+        warp_decode_stage2<D, PV, C::KS, S::VRS>(st_a + kof, st_a + sof, st_a + v_lane_off, st_b + kof, st_b + sof,
+                                                 st_b + v_lane_off, krow0, g, t, qa, sq, lim_a, lo_a, lim_b, lo_b,
+                                                 scale, p.softcap, o, m_run, l_run);
+      } else if (i < nw) {  // the warp's last stage, alone (stage i + 1 is the partner's or none)
+        warp_decode_stage<D, PV, C::KS, S::VRS>(st_a + kof, st_a + sof, st_a + v_lane_off, krow0, g, t, qa, sq, lim_a,
+                                                lo_a, scale, p.softcap, o, m_run, l_run);
+      }
       __syncwarp();
     }
-    const unsigned char* st = sbase_ptr + rslot * S::SST;
-    rslot = rslot == NS - 1 ? 0 : rslot + 1;
-    if (VROWS && i >= nw) continue;  // the partner's last stage: this warp only copied V rows
-    const int kp0 = ids.kp0_of(i);
-    const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
-    const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with lo_t <= k < lim_t are visible
-    const int lo_t = w.k_first - kp0 - 8 * t;
-    warp_decode_stage<D, PV, C::KS, S::VRS>(st + kof, st + sof, st + (VROWS ? 0 : C::V_OFF) + v_lane_off, krow0, g, t,
-                                            qa, sq, lim_t, lo_t, scale, p.softcap, o, m_run, l_run);
-    __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
+  } else {
+    int wslot = NS - 1, rslot = 0;  // ring slots of the stage issued / consumed this iteration
+    for (int i = 0; i < nwp; ++i) {
+      if constexpr (VROWS) {
+        cp_async_wait<NS - 2>();  // this warp's part of stage i has landed
+        pair_barrier(warp);       // the partner's too, and both are done with stage i - 1's slot
+        ld.issue(i + NS - 1, wslot, nb0, nb1);
+        wslot = wslot == NS - 1 ? 0 : wslot + 1;
+        ids.raw_ids(i + NS, nb0, nb1);
+      } else {
+        ld.issue(i + NS - 1, wslot, nb0, nb1);
+        wslot = wslot == NS - 1 ? 0 : wslot + 1;
+        ids.raw_ids(i + NS, nb0, nb1);
+        cp_async_wait<NS - 1>();  // stage i has landed
+        __syncwarp();
+      }
+      const unsigned char* st = sbase_ptr + rslot * S::SST;
+      rslot = rslot == NS - 1 ? 0 : rslot + 1;
+      if (VROWS && i >= nw) continue;  // the partner's last stage: this warp only copied V rows
+      const int kp0 = ids.kp0_of(i);
+      const int lim_rel = k_hi - kp0;  // keys of this stage the query sees: [0, lim_rel)
+      const int lim_t = (row_ok ? lim_rel : 0) - 8 * t;  // keys 8t + k with lo_t <= k < lim_t are visible
+      const int lo_t = w.k_first - kp0 - 8 * t;
+      warp_decode_stage<D, PV, C::KS, S::VRS>(st + kof, st + sof, st + (VROWS ? 0 : C::V_OFF) + v_lane_off, krow0, g, t,
+                                              qa, sq, lim_t, lo_t, scale, p.softcap, o, m_run, l_run);
+      __syncwarp();  // every lane is done with slot i % NS before iteration i+1 refills it
+    }
   }
-  if constexpr (VROWS) pair_barrier_padding<DW>(nst64, nwp, warp);
+  if constexpr (VROWS) pair_barrier_padding<DW, DUAL ? 2 : 1>(nst64, nwp, warp);
   cp_async_wait<0>();
   warp_decode_merge_out<D, DW, NS>(p, ts, smem, w, qrow, warp, g, t, o, m_run, l_run);
 }
@@ -1391,12 +1468,31 @@ TileShape tile_shape(const PagedAttentionParams& p, bool warp_decode, const Devi
   return ts;
 }
 
-template <int D, PvQuant PV, int DW, int NS>
+// Shared 64-key stages (VROWS) need blocks of 64+ keys and 64-aligned split starts (partitions
+// are multiples of 32 only).
+bool warp_decode_vrows(const PagedAttentionParams& p, const TileShape& ts) {
+  return p.block_size >= 64 && (ts.ppc * p.partition_size) % 64 == 0;
+}
+
+// Head dim 64 with shared 64-key stages runs the dual-stage loop (decode_warp_kernel's DUAL);
+// ORT_OPS_PA_DECODE=single forces the one-stage loop (read at each launch: the tests run both,
+// benchmarks compare them).
+bool warp_decode_dual(const PagedAttentionParams& p, const TileShape& ts) {
+  if (p.head_dim != 64 || !warp_decode_vrows(p, ts)) return false;
+  const char* force = std::getenv("ORT_OPS_PA_DECODE");
+  return force == nullptr || std::strcmp(force, "single") != 0;
+}
+
+template <int D, PvQuant PV, int DW, int NS, bool DUAL>
 cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int64_t ctas, cudaStream_t stream) {
   using C = WCfg<D, DW, NS>;
-  // Shared 64-key stages need 64-aligned split starts (partitions are multiples of 32 only).
-  const bool vrows = p.block_size >= 64 && (ts.ppc * p.partition_size) % 64 == 0;
-  auto kernel = vrows ? decode_warp_kernel<D, PV, DW, NS, true> : decode_warp_kernel<D, PV, DW, NS, false>;
+  auto kernel = [&] {
+    if constexpr (DUAL)
+      return decode_warp_kernel<D, PV, DW, NS, true, true>;
+    else
+      return warp_decode_vrows(p, ts) ? decode_warp_kernel<D, PV, DW, NS, true, false>
+                                      : decode_warp_kernel<D, PV, DW, NS, false, false>;
+  }();
   const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::BYTES);
   if (attr != cudaSuccess) return attr;
   // While a CUDA graph is captured, a programmatic dependent of the previous kernel (cuda/launch.cuh).
@@ -1415,7 +1511,12 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
   if (ctas == 0) return cudaSuccess;
   if constexpr (D <= 128) {
     if (use_warp_decode(p)) {
-      const cudaError_t attr = launch_warp<D, PV, WarpShape<D>::DW, WarpShape<D>::NS>(p, ts, ctas, stream);
+      cudaError_t attr;
+      if constexpr (D == 64)
+        attr = warp_decode_dual(p, ts) ? launch_warp<64, PV, 4, 4, true>(p, ts, ctas, stream)
+                                       : launch_warp<64, PV, WarpShape<64>::DW, WarpShape<64>::NS, false>(p, ts, ctas, stream);
+      else
+        attr = launch_warp<D, PV, WarpShape<D>::DW, WarpShape<D>::NS, false>(p, ts, ctas, stream);
       if (attr != cudaSuccess) return attr;
     }
   }
