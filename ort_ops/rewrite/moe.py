@@ -1206,7 +1206,14 @@ def _emit_shared(graph, prefix, x, wg, wu, wd, mlp_out, weight_layout: str = EKN
     if rank != 2:  # [..., H] -> [T, H]: the GEMM ops take rows
         x = add("Reshape", [x, initializer(graph, f"{prefix}/shape_TH", np.array([-1, wg.shape[0]], np.int64))],
                 domain="")[0]
-    groups = add("Shape", [x], domain="", start=0, end=1)[0]  # group_list = [T]: one expert, every row
+    # group_list = [T]: one expert, every row. Made by Range(T, T + 1, 1), not by the Shape itself:
+    # ORT's CUDA EP keeps a Shape output in host memory and would put a host-to-device copy node in
+    # front of the ops, and a session with a copy node refuses CUDA-graph capture; Range takes its
+    # start / limit / delta from host memory and writes its output on the device.
+    t = add("Reshape", [add("Shape", [x], domain="", start=0, end=1)[0],
+                        initializer(graph, f"{prefix}/scalar", np.array([], np.int64))], domain="")[0]
+    one = initializer(graph, f"{prefix}/one", np.array(1, np.int64))
+    groups = add("Range", [t, add("Add", [t, one], domain="")[0], one], domain="")[0]
     if x_dtype == ir.DataType.BFLOAT16:  # the ops take float32/float16 activations
         x = add("Cast", [x], domain="", to=int(ir.DataType.FLOAT))[0]
     xq, xs = add("DynamicQuant", [x], 2)

@@ -25,6 +25,7 @@ import onnxruntime as ort
 import pytest
 
 from graphs.moe import build_contrib_moe, build_moe
+from ort_ops._domain import DOMAIN
 from ort_ops._lib import session_options
 from ort_ops.testing import moe_layer as ml
 from ort_ops.rewrite.moe import fuse_moe
@@ -136,6 +137,15 @@ def test_fixture_is_fused(name):
     assert census["Sigmoid"] == sigmoids
     # (the shared MLP's weights; Qwen2's float gate "shared_expert_gate" stays)
     assert not any(w in t.name for t in model.graph.initializer for w in ("shared_expert.", "shared_experts."))
+    # No input of our ops is a Shape's or Size's output: ORT's CUDA EP keeps those in host memory,
+    # so it would copy them to the device with a node that refuses CUDA-graph capture (the shared
+    # expert's group list [T] comes from Range, whose output lives on the device).
+    producer = {o: n for n in model.graph.node for o in n.output}
+    ours = [n for n in model.graph.node if n.domain == DOMAIN]
+    assert not [(n.name, i) for n in ours for i in n.input if getattr(producer.get(i), "op_type", "") in ("Shape", "Size")]
+    if shared:
+        lists = {n.input[4] for n in ours if n.op_type.startswith("GroupedMatmul") and "/shared/" in n.name}
+        assert lists and {producer[i].op_type for i in lists} == {"Range"}
     gemms = [n for n in model.graph.node if n.op_type.startswith("GroupedMatmul")]
     if name.startswith("gptoss"):  # both GEMMs take their bias; the activation's constants come from the graph
         assert all(len(n.input) == 6 and n.input[5] for n in gemms)
