@@ -213,7 +213,12 @@ class _OrtDecoder:
         self.device, providers = resolve_device(args.device)
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        t0 = time.perf_counter()
         self.sess = ort.InferenceSession(path, so, providers=providers)
+        # (ORT's constant folding of a large export, e.g. Qwen-MoE's stacked experts split into one
+        # initializer per expert, can take minutes: said, so a slow start is not taken for a hang)
+        print(f"  ORT session of {Path(path).name}: {time.perf_counter() - t0:.1f} s to create", file=sys.stderr,
+              flush=True)
         self.inputs = [i.name for i in self.sess.get_inputs()]
         self.past = [n for n in self.inputs if n.startswith("past_key_values.")]
         self.present = [o.name for o in self.sess.get_outputs() if o.name != "logits"]
