@@ -364,13 +364,14 @@ def bench_decode(args, writer, flush, gen):
                         pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
                                                   partition_size=args.partition, num_splits=splits,
                                                   window=args.window)
-                        fn = _with_env("ORT_OPS_PA_DECODE", "single" if loop == "single" else None, pa)
+                        switch = "single" if loop == "single" else None  # ORT_OPS_PA_DECODE
+                        fn = _with_env("ORT_OPS_PA_DECODE", switch, pa)
                         out = fn()
                         st = pa.status()
                         rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
                         impl = f"ours-{pv}" + (f"-{loop}" if len(args.decode_loops) > 1 else "")
                         name = impl + (f" splits={pa.nsplit}" if len(args.splits) > 1 else "")
-                        with _env("ORT_OPS_PA_DECODE", "single" if loop == "single" else None):
+                        with _env("ORT_OPS_PA_DECODE", switch):
                             replays[name] = prepare(fn)  # a graph keeps the loop it was captured with
                         meta[name] = {"impl": impl, "nbytes": kv_bytes, "rel": rel, "splits": pa.nsplit, "status": st}
             if "ours-ort" in peers and args.window == 0:  # its session has no window attribute
@@ -456,13 +457,13 @@ def bench_prefill(args, writer, flush, gen):
             for pv in args.pv:
                 # The launcher reads ORT_OPS_PA_PREFILL at each launch: the graph keeps the kernel
                 # chosen at capture.
-                with _prefill_kernel_env(kernel):
+                with _env("ORT_OPS_PA_PREFILL", _prefill_switch(kernel)):
                     pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, cu, pv_quant=pv,
                                               partition_size=args.partition, max_q_len=new)
                     pa.status_word.zero_()
                     out = pa()
                     st = pa.status()
-                    replays[(kernel, pv)] = prepare(_with_kernel_env(kernel, pa))
+                    replays[(kernel, pv)] = prepare(_with_env("ORT_OPS_PA_PREFILL", _prefill_switch(kernel), pa))
                 rel = float((out.float() - ref).norm() / ref.norm())
                 runs[(kernel, pv)] = (pa, st, rel)
         times = time_interleaved(torch, replays, args.iters * args.rounds, flush, FLUSH_MODE)
@@ -499,14 +500,10 @@ def _with_env(var, value, fn):
     return run
 
 
-def _with_kernel_env(kernel, fn):
-    """fn() with the prefill kernel's environment (ORT_OPS_PA_PREFILL=general for the general
-    kernel, unset for the prefill kernel)."""
-    return _with_env("ORT_OPS_PA_PREFILL", "general" if kernel == "general" else None, fn)
-
-
-def _prefill_kernel_env(kernel):
-    return _env("ORT_OPS_PA_PREFILL", "general" if kernel == "general" else None)
+def _prefill_switch(kernel):
+    """ORT_OPS_PA_PREFILL's value for a prefill kernel: general for the general kernel, unset for
+    the 64-row prefill kernel."""
+    return "general" if kernel == "general" else None
 
 
 @contextlib.contextmanager

@@ -260,10 +260,10 @@ def test_moe_model_decode_steps_are_captured(tmp_path, rng):
     prompts = [list(rng.integers(3, 500, n)) for n in (5, 19, 33)]
 
     def run(r):
-        out = [r.step_greedy({i: p for i, p in enumerate(prompts)})]
+        picks = [r.step_greedy({i: p for i, p in enumerate(prompts)})]
         for _ in range(6):
-            out.append(r.step_greedy({i: [int(t)] for i, t in enumerate(out[-1])}))
-        return np.stack(out)
+            picks.append(r.step_greedy({i: [int(t)] for i, t in enumerate(picks[-1])}))
+        return np.stack(picks)
 
     graph = PagedRunner(str(out), num_blocks=40, device="cuda")
     assert graph.cuda_graph, graph.graph_note
