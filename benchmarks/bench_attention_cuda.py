@@ -364,13 +364,13 @@ def bench_decode(args, writer, flush, gen):
                         pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
                                                   partition_size=args.partition, num_splits=splits,
                                                   window=args.window)
-                        fn = _with_env("ORT_OPS_PA_DECODE", "single" if loop == "single" else None, pa)
+                        fn = _with_env("ORT_OPS_PA_DECODE", None if loop == "auto" else loop, pa)
                         out = fn()
                         st = pa.status()
                         rel = float((out[: ref.shape[0]].float() - ref).norm() / ref.norm())
                         impl = f"ours-{pv}" + (f"-{loop}" if len(args.decode_loops) > 1 else "")
                         name = impl + (f" splits={pa.nsplit}" if len(args.splits) > 1 else "")
-                        with _env("ORT_OPS_PA_DECODE", "single" if loop == "single" else None):
+                        with _env("ORT_OPS_PA_DECODE", None if loop == "auto" else loop):
                             replays[name] = prepare(fn)  # a graph keeps the loop it was captured with
                         meta[name] = {"impl": impl, "nbytes": kv_bytes, "rel": rel, "splits": pa.nsplit, "status": st}
             if "ours-ort" in peers and args.window == 0:  # its session has no window attribute
@@ -543,9 +543,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-kernels", nargs="+", default=["prefill", "general"], choices=["prefill", "general"],
                     help="prefill rows: the 64-row prefill kernel and/or the general kernel (same run)")
     ap.add_argument("--rounds", type=int, default=3, help="prefill: alternate the kernels and modes this often")
-    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "single"],
+    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "single", "wide"],
                     help="decode: the launcher's loop (auto: at head dim 64 with blocks >= 64 the dual-stage "
-                         "loop) and/or the one-stage loop (ORT_OPS_PA_DECODE=single), timed interleaved")
+                         "loop) and/or the one-stage loop (ORT_OPS_PA_DECODE=single) and/or its 8-warp form (=wide), "
+                         "timed interleaved")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     ap.add_argument("--no-decode", action="store_true")
