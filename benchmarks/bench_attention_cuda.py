@@ -364,7 +364,7 @@ def bench_decode(args, writer, flush, gen):
                         pa = _cuda.PagedAttention(q, kc, vc, ks, vs, tables, lens, pv_quant=pv,
                                                   partition_size=args.partition, num_splits=splits,
                                                   window=args.window)
-                        switch = "single" if loop == "single" else None  # ORT_OPS_PA_DECODE
+                        switch = None if loop == "auto" else loop  # ORT_OPS_PA_DECODE
                         fn = _with_env("ORT_OPS_PA_DECODE", switch, pa)
                         out = fn()
                         st = pa.status()
@@ -540,9 +540,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-kernels", nargs="+", default=["prefill", "general"], choices=["prefill", "general"],
                     help="prefill rows: the 64-row prefill kernel and/or the general kernel (same run)")
     ap.add_argument("--rounds", type=int, default=3, help="prefill: alternate the kernels and modes this often")
-    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "single"],
+    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "single", "wide"],
                     help="decode: the launcher's loop (auto: at head dim 64 with blocks >= 64 the dual-stage "
-                         "loop) and/or the one-stage loop (ORT_OPS_PA_DECODE=single), timed interleaved")
+                         "loop) and/or the one-stage loop (ORT_OPS_PA_DECODE=single) and/or its 8-warp form (=wide), "
+                         "timed interleaved")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     ap.add_argument("--no-decode", action="store_true")

@@ -310,17 +310,21 @@ def test_bad_inputs_are_flagged_not_read(rng):
 
 
 @pytest.mark.parametrize("d,b", [(128, 64), (64, 128), (64, 64)])
-def test_bad_block_flagged_in_shared_stages(rng, d, b):
+def test_bad_block_flagged_in_shared_stages(monkeypatch, rng, d, b):
     """Blocks >= 64 (the warp-decode stages two warps share): an out-of-range block id the
-    context needs is flagged, whether it holds many keys of a stage or only the sequence's last."""
+    context needs is flagged, whether it holds many keys of a stage or only the sequence's last;
+    at D 64 in each of its loops (ORT_OPS_PA_DECODE)."""
     query, cache, _ = _make_case(rng, [4 * b + 1, 3 * b], [1, 1], 8, 2, d, b, "float32", decode=True)
-    for s, blk in ((0, 4), (0, 1), (1, 2)):  # block 4 of sequence 0 holds only its last key
-        for bad_id in (10_000, -1):
-            bad = dict(cache)
-            bad["block_tables"] = cache["block_tables"].copy()
-            bad["block_tables"][s, blk] = bad_id
-            for split in (0, 1, 3):
-                assert _run(query, bad, None, num_splits=split)[1] & 1, (s, blk, bad_id, split)
+    for loop in ("dual", "single", "wide") if d == 64 else ("default",):
+        if loop in ("single", "wide"):
+            monkeypatch.setenv("ORT_OPS_PA_DECODE", loop)
+        for s, blk in ((0, 4), (0, 1), (1, 2)):  # block 4 of sequence 0 holds only its last key
+            for bad_id in (10_000, -1):
+                bad = dict(cache)
+                bad["block_tables"] = cache["block_tables"].copy()
+                bad["block_tables"][s, blk] = bad_id
+                for split in (0, 1, 3):
+                    assert _run(query, bad, None, num_splits=split)[1] & 1, (loop, s, blk, bad_id, split)
 
 
 @pytest.mark.parametrize("d,b,msg", [(96, 16, "head_dim must be one of"), (64, 8, "block_size must be a power of two >= 16")])
@@ -698,7 +702,7 @@ def test_decode_window_softcap_sink(rng, case, pv_quant):
                              f"{dtype} {attrs} sink={hs is not None} splits={split}")
 
 
-@pytest.mark.parametrize("loop", ["dual", "single"])
+@pytest.mark.parametrize("loop", ["dual", "single", "wide"])
 @pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
 @pytest.mark.parametrize("b", [64, 128])
 def test_head_dim_64_stage_loops(monkeypatch, rng, b, pv_quant, loop):
@@ -707,8 +711,8 @@ def test_head_dim_64_stage_loops(monkeypatch, rng, b, pv_quant, loop):
     a window (its start mid-stage and mid-block), softcap and sinks, splits 0 / 1 / 3 / 7 at the
     default partition (64-aligned split starts: the shared stages), lengths whose last iteration
     has one stage, two, or only the partner's."""
-    if loop == "single":
-        monkeypatch.setenv("ORT_OPS_PA_DECODE", "single")
+    if loop != "dual":
+        monkeypatch.setenv("ORT_OPS_PA_DECODE", loop)
     lens, hq, hkv, d = [3001, 97, 190, 1, 2176], 32, 8, 64
     dtype = "float16"
     query, cache, _ = _make_case(rng, lens, [1] * len(lens), hq, hkv, d, b, dtype, decode=True)

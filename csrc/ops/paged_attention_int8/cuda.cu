@@ -711,12 +711,15 @@ struct WarpShape {
 static_assert(WCfg<128, 4, 2>::MIN_BLOCKS == 3 && WCfg<64, 4, 3>::MIN_BLOCKS == 3 && WCfg<32, 4, 3>::MIN_BLOCKS == 3,
               "three warp-decode CTAs per SM");
 
-// Named barrier of warps 2p and 2p+1 (ids 1 and 2 as immediates: ptx::named_barrier_sync).
+// Named barrier of warps 2p and 2p+1 (id 1 + p as an immediate: ptx::named_barrier_sync; id 0
+// is __syncthreads').
 __device__ __forceinline__ void pair_barrier(int warp) {
-  if (warp < 2)
-    ptx::named_barrier_sync<1, 64>();
-  else
-    ptx::named_barrier_sync<2, 64>();
+  switch (warp >> 1) {
+    case 0: ptx::named_barrier_sync<1, 64>(); break;
+    case 1: ptx::named_barrier_sync<2, 64>(); break;
+    case 2: ptx::named_barrier_sync<3, 64>(); break;
+    default: ptx::named_barrier_sync<4, 64>(); break;
+  }
 }
 
 // Pair 0 has one more 64-key stage than pair 1 when the split's count is odd. Pair 1 passes as
@@ -787,7 +790,7 @@ struct WdSlots {
   static constexpr int PST = 2 * C::STAGE;  // pair slot
   static constexpr int PK_OFF = D * 64;
   static constexpr int PS_OFF = PK_OFF + 2 * 32 * C::KS;
-  static_assert(PS_OFF + 2 * 256 <= PST && (!VROWS || DW == 4), "pair slot; pairs are warps 0-1 and 2-3");
+  static_assert(PS_OFF + 2 * 256 <= PST && (!VROWS || DW == 4 || DW == 8), "pair slot; pairs are warps 2p, 2p+1");
   static constexpr int SST = VROWS ? PST : C::STAGE;  // slot stride
   static constexpr int VRS = VROWS ? 64 : 32;         // V row stride in the slot
 };
@@ -1474,21 +1477,30 @@ bool warp_decode_vrows(const PagedAttentionParams& p, const TileShape& ts) {
   return p.block_size >= 64 && (ts.ppc * p.partition_size) % 64 == 0;
 }
 
-// Head dim 64 with shared 64-key stages runs the dual-stage loop (decode_warp_kernel's DUAL);
-// ORT_OPS_PA_DECODE=single forces the one-stage loop (read at each launch: the tests run both,
-// benchmarks compare them).
-bool warp_decode_dual(const PagedAttentionParams& p, const TileShape& ts) {
-  if (p.head_dim != 64 || !warp_decode_vrows(p, ts)) return false;
+// Head dim 64 with shared 64-key stages: which loop and CTA shape (read at each launch: the
+// tests run each, benchmarks compare them). Default: the dual-stage loop (4 warps, 4-slot rings);
+// ORT_OPS_PA_DECODE=single the one-stage loop (4 warps, 3 slots); =wide the one-stage loop with 8
+// warps and 2-slot rings (four pairs; two CTAs an SM: 16 warps where the others have 8).
+enum class D64Loop { kDual, kSingle, kWide };
+D64Loop warp_decode_d64_loop(const PagedAttentionParams& p, const TileShape& ts) {
+  if (p.head_dim != 64 || !warp_decode_vrows(p, ts)) return D64Loop::kSingle;
   const char* force = std::getenv("ORT_OPS_PA_DECODE");
-  return force == nullptr || std::strcmp(force, "single") != 0;
+  if (force != nullptr && std::strcmp(force, "single") == 0) return D64Loop::kSingle;
+  if (force != nullptr && std::strcmp(force, "wide") == 0) return D64Loop::kWide;
+  return D64Loop::kDual;
 }
 
-template <int D, PvQuant PV, int DW, int NS, bool DUAL>
+// FORM: kAnyStages (shared 64-key stages where warp_decode_vrows allows, else per-warp ones),
+// kSharedStages (the caller checked warp_decode_vrows), kDualStages (shared, the dual loop).
+enum WarpForm { kAnyStages, kSharedStages, kDualStages };
+template <int D, PvQuant PV, int DW, int NS, WarpForm FORM>
 cudaError_t launch_warp(const PagedAttentionParams& p, const TileShape& ts, int64_t ctas, cudaStream_t stream) {
   using C = WCfg<D, DW, NS>;
   auto kernel = [&] {
-    if constexpr (DUAL)
+    if constexpr (FORM == kDualStages)
       return decode_warp_kernel<D, PV, DW, NS, true, true>;
+    else if constexpr (FORM == kSharedStages)
+      return decode_warp_kernel<D, PV, DW, NS, true, false>;
     else
       return warp_decode_vrows(p, ts) ? decode_warp_kernel<D, PV, DW, NS, true, false>
                                       : decode_warp_kernel<D, PV, DW, NS, false, false>;
@@ -1512,11 +1524,15 @@ cudaError_t launch_d_pv(const PagedAttentionParams& p, const TileShape& ts, cuda
   if constexpr (D <= 128) {
     if (use_warp_decode(p)) {
       cudaError_t attr;
-      if constexpr (D == 64)
-        attr = warp_decode_dual(p, ts) ? launch_warp<64, PV, 4, 4, true>(p, ts, ctas, stream)
-                                       : launch_warp<64, PV, WarpShape<64>::DW, WarpShape<64>::NS, false>(p, ts, ctas, stream);
-      else
-        attr = launch_warp<D, PV, WarpShape<D>::DW, WarpShape<D>::NS, false>(p, ts, ctas, stream);
+      if constexpr (D == 64) {
+        switch (warp_decode_d64_loop(p, ts)) {
+          case D64Loop::kDual: attr = launch_warp<64, PV, 4, 4, kDualStages>(p, ts, ctas, stream); break;
+          case D64Loop::kWide: attr = launch_warp<64, PV, 8, 2, kSharedStages>(p, ts, ctas, stream); break;
+          default:
+            attr = launch_warp<64, PV, WarpShape<64>::DW, WarpShape<64>::NS, kAnyStages>(p, ts, ctas, stream);
+        }
+      } else
+        attr = launch_warp<D, PV, WarpShape<D>::DW, WarpShape<D>::NS, kAnyStages>(p, ts, ctas, stream);
       if (attr != cudaSuccess) return attr;
     }
   }
