@@ -212,3 +212,11 @@ SWIGLU_VS_QUICKGELU_F32_AB = 1e-6
 # former).
 SWIGLU_VS_QUICKGELU_F16_REL = 2.0 ** -9
 SWIGLU_VS_QUICKGELU_F16_ABS = 2.0 ** -24
+# A rewritten fixture's logits with the SwiGLU pass against the same rewrite without it
+# (tests/rewrite/test_swiglu_rewrite.py), relative to max(1, max |logit|). float32: only the
+# activation's float32 roundings differ (MLAS's sigmoid against exp_f32, one rounding fewer),
+# measured 4.0e-7 over 5 prefill/decode steps of the 2-layer export; 1e-5 catches a wrong half or
+# a missing gate. float16: the stock graph rounds sigmoid and silu to float16 before the Mul,
+# the fused op does not; measured 0 (the logits' own float16 rounding absorbs it); 2e-3 is one
+# float16 ulp at |logit| in [2, 4), the fixture's range.
+SWIGLU_REWRITE_LOGITS_ATOL_REL = {"float32": 1e-5, "float16": 2e-3}
