@@ -16,6 +16,7 @@
 #include "ops/grouped_matmul_swiglu_quant/op.h"
 #include "ops/moe_finalize_routing/op.h"
 #include "ops/moe_init_routing/op.h"
+#include "ops/swiglu/op.h"
 
 #ifdef ORT_OPS_WITH_CUDA
 #include "cuda/cuda_info.h"
@@ -27,6 +28,7 @@
 #include "ops/moe_init_routing/cuda_op.h"
 #include "ops/paged_attention_int8/cuda_op.h"
 #include "ops/quantize_kv_cache/cuda_op.h"
+#include "ops/swiglu/cuda_op.h"
 #endif
 
 #ifndef ORT_OPS_VERSION
@@ -54,6 +56,7 @@ std::vector<const CustomOp*> all_ops() {
       &grouped_matmul_dequant_cpu_op(),
       &moe_init_routing_cpu_op(),
       &moe_finalize_routing_cpu_op(),
+      &swiglu_cpu_op(),
 #ifdef ORT_OPS_WITH_CUDA
       &dynamic_quant_cuda_op(),
       &grouped_matmul_swiglu_quant_cuda_op(),
@@ -62,6 +65,7 @@ std::vector<const CustomOp*> all_ops() {
       &grouped_matmul_dequant_cuda_op(),
       &moe_init_routing_cuda_op(),
       &moe_finalize_routing_cuda_op(),
+      &swiglu_cuda_op(),
 #endif
   };
 }

@@ -14,9 +14,9 @@ import sys
 import time
 
 
-def _bool_flag(p: argparse.ArgumentParser, name: str, help_: str) -> None:
+def _bool_flag(p: argparse.ArgumentParser, name: str, help_: str, default: bool = True) -> None:
     p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction,
-                   default=True, help=help_)
+                   default=default, help=help_)
 
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
@@ -29,7 +29,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     model, results = rewrite_model(model, None, block_size=args.block_size, pv_quant=args.pv_quant,
                                    qk_quant=args.qk_quant, attention=args.attention, moe=args.moe,
                                    moe_weight_layout=args.moe_weight_layout, norms=args.norms,
-                                   concat_matmuls=args.concat_matmuls, rotary=args.rotary)
+                                   concat_matmuls=args.concat_matmuls, rotary=args.rotary, swiglu=args.swiglu)
     _status(args, f"writing {args.output}")
     save_model(model, args.output)
     report = {
@@ -210,6 +210,8 @@ def register(sub) -> None:
     _bool_flag(rw, "norms", "fuse RMSNorm chains into ORT's SimplifiedLayerNormalization (default on)")
     _bool_flag(rw, "concat-matmuls", "join MatMuls that read one activation (Q/K/V, gate/up projections) into "
                "one MatMul and a Split (default on)")
+    _bool_flag(rw, "swiglu", "fuse the MLP's Split -> SiLU -> Mul (after --concat-matmuls) into one ort_ops "
+               "SwiGLU node (default off: its GPU speed is not measured yet)", default=False)
     _bool_flag(rw, "rotary", "fuse the RoPE chains of paged models into ORT's com.microsoft RotaryEmbedding "
                              "(default on)")
     rw.add_argument("--moe-weight-layout", choices=WEIGHT_LAYOUTS, default=EKN,

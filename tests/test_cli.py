@@ -114,3 +114,13 @@ def test_verify_runs_a_bfloat16_pair_through_float32_twins(tmp_path, capsys):
     v = json.loads(capsys.readouterr().out)
     assert v["bfloat16"].startswith("both models as their float32 twins")
     assert v["rewritten_interface"] == "paged" and v["overall"]["token_agreement"] >= 0.95
+
+
+def test_rewrite_swiglu_is_opt_in(tmp_path, capsys):
+    """--swiglu adds the SwiGLU pass after the joined projections (one block a layer); without
+    it the report has no swiglu entry."""
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--swiglu"]) == 0
+    assert "swiglu: 2 block(s) fused (sigmoid_mul: 2)" in capsys.readouterr().out
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
+    assert "swiglu" not in json.loads(capsys.readouterr().out)["fused"]

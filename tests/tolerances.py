@@ -198,3 +198,25 @@ EXPORT_VS_TORCH_FP32_ATOL = 1e-4
 # by 4.8e-3 to 5.1e-3 (the same twin against the unrounded fp32 export), and any bfloat16 rounding
 # left in the twin's arithmetic (2^-9 relative per value) by comparable amounts.
 BF16_TWIN_VS_ROUNDED_FP32_REL_L2 = 1e-5
+
+# SwiGLU (bit-exact against its reference, like the MoE float outputs) against the stock graph
+# it replaces, Split -> com.microsoft.QuickGelu -> Mul on ORT's CPU EP (DESIGN.md "SwiGLU"):
+# ORT's sigmoid is MLAS's approximation, off the true sigmoid by up to 1.8e-7 absolute
+# (measured, ORT 1.32), and our float32 recipe is within 2e-7 relative of the truth, so the two
+# differ by at most ~3.0e-7 * |a * b| (measured); 1e-6 leaves room for MLAS's other ISA paths.
+SWIGLU_VS_QUICKGELU_F32_AB = 1e-6
+# float16: the stock graph rounds QuickGelu's output to float16 before the Mul and the Mul's
+# result again; the fused op rounds once. Two half-ulp roundings (2^-11 relative each) against
+# one give at most 2 float16 ulps of y (2^-9 relative), plus float16's subnormal spacing 2^-24
+# where the rounded QuickGelu output or y is below float16's normal range (times |b| for the
+# former).
+SWIGLU_VS_QUICKGELU_F16_REL = 2.0 ** -9
+SWIGLU_VS_QUICKGELU_F16_ABS = 2.0 ** -24
+# A rewritten fixture's logits with the SwiGLU pass against the same rewrite without it
+# (tests/rewrite/test_swiglu_rewrite.py), relative to max(1, max |logit|). float32: only the
+# activation's float32 roundings differ (MLAS's sigmoid against exp_f32, one rounding fewer),
+# measured 4.0e-7 over 5 prefill/decode steps of the 2-layer export; 1e-5 catches a wrong half or
+# a missing gate. float16: the stock graph rounds sigmoid and silu to float16 before the Mul,
+# the fused op does not; measured 0 (the logits' own float16 rounding absorbs it); 2e-3 is one
+# float16 ulp at |logit| in [2, 4), the fixture's range.
+SWIGLU_REWRITE_LOGITS_ATOL_REL = {"float32": 1e-5, "float16": 2e-3}

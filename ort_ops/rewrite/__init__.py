@@ -77,7 +77,7 @@ def save_model(model, path) -> None:
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
                   attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True,
-                  concat_matmuls: bool = True, rotary: bool = True):
+                  concat_matmuls: bool = True, rotary: bool = True, swiglu: bool = False):
     """Runs the fusions on a model.
 
     Args:
@@ -91,6 +91,9 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
             ort_ops/rewrite/rmsnorm.py).
         concat_matmuls: MatMuls reading one activation with constant weights (Q / K / V, gate /
             up) as one MatMul of the joined weights and a Split (ort_ops/rewrite/matmul_concat.py).
+        swiglu: the MLP's Split -> SiLU(gate) -> Mul(., up) as one ort_ops SwiGLU node, after
+            concat_matmuls (ort_ops/rewrite/swiglu.py). Off by default: its GPU speed is not
+            measured yet.
         rotary: RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding (one kernel per
             Q and per K of a layer instead of 7-8, and the Transposes around them; ort_ops/rewrite/rotary.py).
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
@@ -117,7 +120,7 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
     m = load_model(model) if isinstance(model, (str, Path)) else model
     options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
                              attention=attention, moe=moe, moe_weight_layout=moe_weight_layout, norms=norms,
-                             concat_matmuls=concat_matmuls, rotary=rotary)
+                             concat_matmuls=concat_matmuls, rotary=rotary, swiglu=swiglu)
     results = run_fusions(m, options)
     if output is not None:
         save_model(m, output)

@@ -29,6 +29,7 @@ class RewriteOptions:
     norms: bool = True  # RMSNorm chains as ORT's SimplifiedLayerNormalization
     concat_matmuls: bool = True  # MatMuls of one activation as one MatMul and a Split
     rotary: bool = True  # RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding
+    swiglu: bool = False  # the MLP's Split + SiLU + Mul as one ort_ops SwiGLU (opt-in: GPU speed unmeasured)
 
 
 @dataclasses.dataclass
@@ -41,7 +42,7 @@ class Decline:
 
 @dataclasses.dataclass
 class FusionResult:
-    kind: str  # "attention", "moe", "rotary", "rmsnorm", "matmul_concat"
+    kind: str  # "attention", "moe", "rotary", "rmsnorm", "matmul_concat", "swiglu"
     fused: int = 0
     declined: list[Decline] = dataclasses.field(default_factory=list)
     details: dict = dataclasses.field(default_factory=dict)  # per-kind facts (forms matched, bytes, ...)
@@ -64,6 +65,8 @@ FUSIONS: list[tuple[str, str, str]] = [
     ("rmsnorm", "norms", "ort_ops.rewrite.rmsnorm:fuse_rmsnorm"),
     # Joined projections after everything that matches them one by one (attention's Q / K / V).
     ("matmul_concat", "concat_matmuls", "ort_ops.rewrite.matmul_concat:fuse_matmul_concat"),
+    # SwiGLU after the joined projections: it matches the gate/up Split that matmul_concat writes.
+    ("swiglu", "swiglu", "ort_ops.rewrite.swiglu:fuse_swiglu"),
 ]
 
 

@@ -14,6 +14,8 @@ GroupedMatmulDequant (same kernel, dequantizing mode): same inputs (bias too) ->
 DynamicQuant (csrc/ops/dynamic_quant/cuda.cuh): x float32/float16 [rows, K], smooth float32 [K]
     or None -> y int8 [rows, K], scale float32 [rows], error word (bit 1: non-finite value).
 MoeInitRouting / MoeFinalizeRouting (csrc/ops/moe_*_routing/cuda.cuh): as their references.
+SwiGLU (csrc/ops/swiglu/cuda.cuh): x float32/float16 [rows, 2I] -> y [rows, I] of x's dtype
+    (no error word: non-finite values propagate).
 """
 
 from __future__ import annotations
@@ -224,6 +226,27 @@ def dynamic_quant(x, smooth=None):
     if rc != 0:
         raise RuntimeError(f"DynamicQuant (CUDA): launch failed with cudaError_t {rc}")
     return y, scale, int(err[0].item())
+
+
+def swiglu(x):
+    """SwiGLU on the GPU: x float32/float16 [..., 2I] (torch CUDA, possibly a view whose storage
+    offset breaks 16-byte alignment: the launcher then takes its scalar path). Returns y [..., I]
+    of x's dtype, written over a NaN-filled buffer."""
+    import torch
+
+    lib = _cdll(get_library_path())
+    fn = lib.ort_ops_swiglu_cuda
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n = x.shape[-1] // 2
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else int(torch.tensor(x.shape[:-1]).prod())
+    y = torch.full((*x.shape[:-1], n), float("nan"), dtype=x.dtype, device=x.device)
+    rc = fn(x.data_ptr(), int(x.dtype == torch.float16), y.data_ptr(), rows, n, _stream())
+    if rc != 0:
+        raise RuntimeError(f"SwiGLU (CUDA): launch failed with cudaError_t {rc}")
+    return y
 
 
 def _stream():
