@@ -213,6 +213,10 @@ class _OrtDecoder:
         self.device, providers = resolve_device(args.device)
         so = ort.SessionOptions()
         so.log_severity_level = 3
+        so.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[args.ort_opt_level]
         t0 = time.perf_counter()
         self.sess = ort.InferenceSession(path, so, providers=providers)
         # (ORT's constant folding of a large export, e.g. Qwen-MoE's stacked experts split into one
@@ -435,6 +439,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"subset of {','.join(ENGINES)}")
+    ap.add_argument("--ort-opt-level", choices=("disable", "basic", "extended", "all"), default="all",
+                    help="graph optimization level of the ort and ort-gqa sessions (default all, ORT's default; "
+                         "'disable' skips the constant folding that splits a stacked-expert export's weights, "
+                         "which can take minutes to create a session)")
     ap.add_argument("--csv", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("fp32" if args.tiny else "fp16")
@@ -488,7 +496,8 @@ def main(argv=None) -> int:
 
     print(f"\nbench_generate_cuda: {args.family} on {args.device}, {dims['layers']} layers, vocab {dims['vocab']}, "
           f"{np.dtype(dims['dtype']).name} export; prefill {args.prefill} tokens, decode at context {args.context}; "
-          f"median / p90 of {args.repeat} after {args.warmup} warm-up")
+          f"median / p90 of {args.repeat} after {args.warmup} warm-up"
+          + (f"; ort sessions at graph optimization level '{args.ort_opt_level}'" if args.ort_opt_level != "all" else ""))
     if "ours" in checks and "ort" in checks:
         a, b = checks["ours"], checks["ort"]
         print(f"check (prefill last-token logits, ours vs ort): max abs diff {float(np.max(np.abs(a - b))):.4f}, "
