@@ -208,6 +208,26 @@ def node_names(nodes: Iterable[ir.Node]) -> str:
     return ", ".join(n.name or n.op_type for n in nodes)
 
 
+def sweep(graph: ir.Graph, values: list[ir.Value]) -> None:
+    """Removes the nodes (and initializers) left without readers among ``values`` and what only
+    they read, transitively (a fusion's replaced chain: its layout nodes, shape arithmetic,
+    constants). Graph inputs and outputs stay."""
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if v is None or v.is_graph_output() or v.is_graph_input() or list(v.uses()):
+            continue
+        if v.name in graph.initializers and graph.initializers[v.name] is v:
+            del graph.initializers[v.name]
+            continue
+        n = v.producer()
+        if n is None or n.graph is not graph or any(list(o.uses()) or o.is_graph_output() for o in n.outputs):
+            continue
+        ins = list(n.inputs)
+        graph.remove(n, safe=True)
+        stack.extend(ins)
+
+
 # --- probing -------------------------------------------------------------------------------------
 
 PROBE_BATCH = 2
