@@ -220,3 +220,8 @@ SWIGLU_VS_QUICKGELU_F16_ABS = 2.0 ** -24
 # the fused op does not; measured 0 (the logits' own float16 rounding absorbs it); 2e-3 is one
 # float16 ulp at |logit| in [2, 4), the fixture's range.
 SWIGLU_REWRITE_LOGITS_ATOL_REL = {"float32": 1e-5, "float16": 2e-3}
+# A rewritten fixture's logits with the rotary_kv pass against the same rewrite without it
+# (tests/rewrite/test_rotary_kv_rewrite.py), relative to max(1, max |logit|). The fused op rotates
+# as ORT's RotaryEmbedding does up to its last bit (DESIGN.md "RotaryQuantizeKVCache": query within
+# 1 ulp, K codes within 1 at a rounding tie).
+ROTARY_KV_REWRITE_LOGITS_ATOL_REL = {"float32": 1e-5, "float16": 2e-3}

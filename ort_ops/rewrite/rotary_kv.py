@@ -52,8 +52,8 @@ from ort_ops.rewrite.pipeline import Decline, FusionResult, RewriteOptions
 MS_DOMAIN = "com.microsoft"
 OP = "RotaryQuantizeKVCache"
 _LAYOUT = ("Reshape", "Squeeze", "Unsqueeze", "Identity", "Transpose")
-# Element types RotaryEmbedding and QuantizeKVCache both take.
-_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+# The element types RotaryQuantizeKVCache takes (DESIGN.md).
+_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 
 
 @dataclasses.dataclass
@@ -227,7 +227,8 @@ def _match(qkv: ir.Node) -> _Block | str:
     k_in, k_in_chain = _walk(k_rot.inputs[0])
     split = k_in.producer()
     if not _is(split, "Split") or len(split.outputs) < 2 or split.outputs[1] is not k_in:
-        return "the rotated key's input is not output 1 of a Split (through layout-only nodes)"
+        what = "a graph input" if split is None else f"{split.op_type} output {list(split.outputs).index(k_in)}"
+        return f"the rotated key's input reaches {what}, not output 1 of a Split, through layout-only nodes"
     v_in, v_chain = _walk(value)
     if len(split.outputs) < 3 or v_in is not split.outputs[2]:
         return "the value input is not output 2 of the key's Split (through layout-only nodes)"
@@ -253,6 +254,8 @@ def _match(qkv: ir.Node) -> _Block | str:
     if kv != vv or qv[1] != kv[1]:
         return f"key {kv}, value {vv} and query {qv} (heads, head dim) do not agree"
     (hkv, d), hq = kv, qv[0]
+    if hq % hkv:
+        return f"{hq} query heads are not a multiple of {hkv} kv heads"
     why = _split_reason(split, [hq * d, hkv * d, hkv * d]) or _rotary_reason(q_rot, k_rot, hq, hkv, d)
     if why:
         return why
@@ -263,7 +266,7 @@ def _match(qkv: ir.Node) -> _Block | str:
             return f"intermediate value '{v.name}' has another reader or is a graph output"
     dt = g.element_type(split.inputs[0])
     if dt not in _TYPES:
-        return f"element type {dt} is not float32, float16 or bfloat16"
+        return f"element type {dt} is not float32 or float16 (RotaryQuantizeKVCache's types)"
     return _Block(qkv, pa, split, q_rot, k_rot, hq, hkv, d)
 
 
