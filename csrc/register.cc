@@ -12,6 +12,7 @@
 #include "ops/dynamic_quant/op.h"
 #include "ops/paged_attention_int8/op.h"
 #include "ops/quantize_kv_cache/op.h"
+#include "ops/rotary_quantize_kv_cache/op.h"
 #include "ops/grouped_matmul_dequant/op.h"
 #include "ops/grouped_matmul_swiglu_quant/op.h"
 #include "ops/moe_finalize_routing/op.h"
@@ -52,6 +53,7 @@ std::vector<const CustomOp*> all_ops() {
       &dynamic_quant_cpu_op(),
       &paged_attention_int8_cpu_op(),
       &quantize_kv_cache_cpu_op(),
+      &rotary_quantize_kv_cache_cpu_op(),
       &grouped_matmul_swiglu_quant_cpu_op(),
       &grouped_matmul_dequant_cpu_op(),
       &moe_init_routing_cpu_op(),
