@@ -211,10 +211,15 @@ def test_declines_without_rotaries():
 
 
 @needs_op
-@pytest.mark.parametrize("path,dtype", [(FP32, "float32"), (FP16, "float16")], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("path,dtype", [(FP32, "float32"), (FP16, "float16")] + [
+    (FIXTURES / f"{name}.onnx", "float32") for name in ("tx_sdpa_kv", "mistral_window_kv", "gemma2_softcap_kv",
+                                                         "dynamo_cachepos_kv")],
+    ids=["fp32", "fp16", "tx_sdpa", "mistral_window", "gemma2_softcap", "cachepos"])
 def test_fixture_logits_unchanged(path, dtype):
     """The rewritten model with the pass against the same rewrite without it, through a prefill of
-    two sequences and decode steps: logits within the tolerance, greedy tokens identical."""
+    two sequences and decode steps: logits within the tolerance, greedy tokens identical (the
+    float32 exports of other forms too: transformers' SDPA, a sliding window, Gemma 2's softcap,
+    cache_position plumbing)."""
     from ort_ops.runtime import PagedRunner
 
     fused, results = ort_ops.rewrite_model(str(path), rotary_kv=True)
