@@ -142,18 +142,10 @@ def _split_reason(split: ir.Node, sizes: list[int]) -> str | None:
         return f"Split has {len(split.outputs)} outputs, not 3"
     x = split.inputs[0]
     r = g.rank(x)
-    axis = g.attr_int(split, "axis", 0)
-    if not (axis == -1 or (r is not None and axis == r - 1)):
-        return f"Split axis {axis} is not the last axis (input rank {r})"
-    got = None
-    if len(split.inputs) > 1 and split.inputs[1] is not None:
-        arr = g.const_array(split.inputs[1])
-        if arr is None:
-            return "Split sizes are not a constant"
-        got = [int(s) for s in arr.reshape(-1)]
-    elif g.attr_ints(split, "split") is not None:
-        got = g.attr_ints(split, "split")
-    elif g.dim(x, -1) is not None and g.dim(x, -1) % 3 == 0:
+    got, why = g.last_axis_split(split)
+    if why:
+        return why
+    if got is None and g.dim(x, -1) is not None and g.dim(x, -1) % 3 == 0:  # three equal parts
         got = [g.dim(x, -1) // 3] * 3
     if got != sizes:
         return f"Split sizes {got} are not [Hq*D, Hkv*D, Hkv*D] = {sizes}"
