@@ -315,12 +315,16 @@ def fuse_rotary_kv(model: ir.Model, options: RewriteOptions) -> FusionResult:
             "one row of packed tokens")))
         candidates = []
     blocks = []
+    splits: set[int] = set()
     for qkv in candidates:
         b = _match(qkv)
+        if not isinstance(b, str) and id(b.split) in splits:  # each Split's chain is replaced once
+            b = "another QuantizeKVCache's block reads the same Split"
         if isinstance(b, str):
             result.declined.append(Decline(qkv.name or qkv.op_type, b))
         else:
             blocks.append(b)
+            splits.add(id(b.split))
     shapes: dict[int, ir.Value] = {}
     for i, b in enumerate(blocks):
         _replace(graph, b, i, shapes)

@@ -254,3 +254,41 @@ def test_fixture_greedy_generation_identical():
             seq = {0: [int(nxt[0])], 1: [int(nxt[1])]}
         tokens.append(out)
     assert tokens[0] == tokens[1]
+
+
+def _with_qkv_bias(path: pathlib.Path) -> ir.Model:
+    """The default rewrite with a bias Add between each joined Q/K/V MatMul and its Split (Qwen2's
+    projections, as matmul_concat joins them)."""
+    m = _model(path)
+    rng = np.random.default_rng(3)
+    for split in [n for n in m.graph if n.op_type == "Split" and len(n.outputs) == 3]:
+        x = split.inputs[0]
+        dtype = x.dtype.numpy()
+        bias = ir.Value(name=f"{x.name}_bias", const_value=ir.tensor((rng.standard_normal(256) * 0.1).astype(dtype)))
+        m.graph.register_initializer(bias)
+        add = ir.node("Add", [x, bias], name=f"{x.name}_add_bias")
+        add.outputs[0].name, add.outputs[0].dtype = f"{x.name}_biased", x.dtype
+        m.graph.insert_before(split, add)
+        split.replace_input_with(0, add.outputs[0])
+    return m
+
+
+@pytest.mark.parametrize("path,dtype", [(FP32, "float32"), (FP16, "float16")], ids=["fp32", "fp16"])
+def test_bias_before_the_split(path, dtype):
+    """A bias Add before the Split: fused, the op reading the biased projection; logits as
+    without the pass when the library has the op."""
+    fused = _with_qkv_bias(path)
+    r = _fuse(fused)
+    assert r.fused == LAYERS and not r.declined, r.declined
+    for node in (n for n in fused.graph if n.op_type == "RotaryQuantizeKVCache"):
+        assert node.inputs[0].producer().inputs[0].producer().op_type == "Add"
+    if not _op_registered():
+        return
+    from ort_ops.runtime import PagedRunner
+
+    runners = [PagedRunner(ir.serde.serialize_model(m).SerializeToString()) for m in (fused, _with_qkv_bias(path))]
+    for step in ({0: [5, 9, 3, 17, 4, 11, 30, 6], 1: [8, 6, 2]}, {0: [7], 1: [9]}, {0: [12], 1: [4]}):
+        a, b = (run.step(step) for run in runners)
+        atol = ROTARY_KV_REWRITE_LOGITS_ATOL_REL[dtype] * max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
