@@ -14,7 +14,9 @@ After the attention, rotary and matmul_concat passes, each decoder layer of a pa
     caches = QuantizeKVCache(layout(k'), layout(v), slot_mapping, caches)       [T, Hkv, D] each
     PagedAttentionInt8(layout(q') [T, Hq, D], caches, ...)
 
-where ``layout`` is any chain of Reshape, Squeeze, Unsqueeze, Identity and Transpose nodes that
+A bias Add of a constant per column on each of q, k and v (matmul_concat keeps a joined
+projection's biases after its Split; Qwen2, gpt-oss) is taken as one Add of the joined biases
+before the op (the same sums). ``layout`` is any chain of Reshape, Squeeze, Unsqueeze, Identity and Transpose nodes that
 keeps the element order (exporters write [B, S, N, D] <-> [B, N, S, D] Transposes in pairs). This
 pass replaces the Split, both rotaries, the layout chains and the QuantizeKVCache by
 
@@ -66,6 +68,25 @@ class _Block:
     hq: int
     hkv: int
     d: int
+    biases: list[ir.Node]  # the per-part bias Adds after the Split (Q, K, V), or none
+
+
+def _bias(add: ir.Node) -> np.ndarray:
+    """The constant operand of a bias Add ``_through_bias`` took."""
+    return next(a for a in (g.const_array(i) for i in add.inputs) if a is not None)
+
+
+def _through_bias(v: ir.Value) -> tuple[ir.Value, ir.Node | None]:
+    """(the Split output, the Add) when ``v`` is a Split output plus a constant bias of one value
+    per column (matmul_concat keeps a joined projection's biases after its Split), else (v, None)."""
+    n = v.producer()
+    if _is(n, "Add"):
+        for i in (0, 1):
+            bias = g.const_array(n.inputs[1 - i])
+            x = n.inputs[i]
+            if bias is not None and bias.ndim >= 1 and bias.size == bias.shape[-1] and _is(x.producer(), "Split"):
+                return x, n
+    return v, None
 
 
 def _is(node: ir.Node | None, op_type: str, domain: str = "") -> bool:
@@ -217,11 +238,13 @@ def _match(qkv: ir.Node) -> _Block | str:
         what = "a graph input" if k_rot is None else f"{k_rot.domain or 'ai.onnx'} {k_rot.op_type}"
         return f"the key input reaches {what}, not a com.microsoft RotaryEmbedding, through layout-only nodes"
     k_in, k_in_chain = _walk(k_rot.inputs[0])
+    k_in, k_bias = _through_bias(k_in)
     split = k_in.producer()
     if not _is(split, "Split") or len(split.outputs) < 2 or split.outputs[1] is not k_in:
         what = "a graph input" if split is None else f"{split.op_type} output {list(split.outputs).index(k_in)}"
         return f"the rotated key's input reaches {what}, not output 1 of a Split, through layout-only nodes"
     v_in, v_chain = _walk(value)
+    v_in, v_bias = _through_bias(v_in)
     if len(split.outputs) < 3 or v_in is not split.outputs[2]:
         return "the value input is not output 2 of the key's Split (through layout-only nodes)"
     pas = [u.node for u in qkv.outputs[0].uses() if _is(u.node, "PagedAttentionInt8", DOMAIN)]
@@ -233,6 +256,7 @@ def _match(qkv: ir.Node) -> _Block | str:
     if not _is(q_rot, "RotaryEmbedding", MS_DOMAIN):
         return "the attention's query does not reach a com.microsoft RotaryEmbedding through layout-only nodes"
     q_in, q_in_chain = _walk(q_rot.inputs[0])
+    q_in, q_bias = _through_bias(q_in)
     if q_in is not split.outputs[0]:
         return "the rotated query's input is not output 0 of the key's Split (through layout-only nodes)"
     for chain, what in ((k_chain, "rotated key"), (k_in_chain, "key"), (v_chain, "value"),
@@ -248,10 +272,19 @@ def _match(qkv: ir.Node) -> _Block | str:
     (hkv, d), hq = kv, qv[0]
     if hq % hkv:
         return f"{hq} query heads are not a multiple of {hkv} kv heads"
-    why = _split_reason(split, [hq * d, hkv * d, hkv * d]) or _rotary_reason(q_rot, k_rot, hq, hkv, d)
+    sizes = [hq * d, hkv * d, hkv * d]
+    why = _split_reason(split, sizes) or _rotary_reason(q_rot, k_rot, hq, hkv, d)
     if why:
         return why
-    inner = [*split.outputs, *(o for n in (*k_chain, *k_in_chain, *v_chain, *q_chain, *q_in_chain, k_rot, q_rot)
+    biases = [q_bias, k_bias, v_bias]
+    if any(biases):
+        if not all(biases):
+            return "a bias Add after the Split on some of Q, K, V only"
+        for add, width in zip(biases, sizes):
+            if _bias(add).size != width:
+                return f"bias Add {add.name} adds {_bias(add).size} values to a part of {width} columns"
+    inner = [*split.outputs, *(o for n in (*k_chain, *k_in_chain, *v_chain, *q_chain, *q_in_chain, k_rot, q_rot,
+                                           *(b for b in biases if b is not None))
                                for o in n.outputs)]
     for v in inner:
         if v.is_graph_output() or len(list(v.uses())) != 1:
@@ -259,7 +292,7 @@ def _match(qkv: ir.Node) -> _Block | str:
     dt = g.element_type(split.inputs[0])
     if dt not in _TYPES:
         return f"element type {dt} is not float32 or float16 (RotaryQuantizeKVCache's types)"
-    return _Block(qkv, pa, split, q_rot, k_rot, hq, hkv, d)
+    return _Block(qkv, pa, split, q_rot, k_rot, hq, hkv, d, biases if any(biases) else [])
 
 
 def _replace(graph: ir.Graph, b: _Block, index: int, shapes: dict[int, ir.Value]) -> None:
@@ -267,9 +300,17 @@ def _replace(graph: ir.Graph, b: _Block, index: int, shapes: dict[int, ir.Value]
     the attention reads it later) and removes what only the old block read."""
     x = b.split.inputs[0]
     width = (b.hq + 2 * b.hkv) * b.d
+    base = b.qkv.name or f"rotary_kv_{index}"
+    new_nodes = []
+    if b.biases:  # the three parts' biases as one Add of the joined projection: the same sums
+        dtype = g.element_type(x)
+        joined = np.concatenate([_bias(a).reshape(-1) for a in b.biases]).astype(dtype.numpy())
+        add = ir.node("Add", [x, g.initializer(graph, f"{base}_qkv_bias", joined)], name=f"{base}_qkv_bias_add")
+        add.outputs[0].name, add.outputs[0].dtype = f"{base}_qkv_biased", dtype
+        new_nodes.append(add)
+        x = add.outputs[0]
     if width not in shapes:
         shapes[width] = g.initializer(graph, f"rotary_kv_qkv_shape_{width}", np.array([-1, width], np.int64))
-    base = b.qkv.name or f"rotary_kv_{index}"
     flat = ir.node("Reshape", [x, shapes[width]], name=f"{base}_qkv_2d")
     flat.outputs[0].name, flat.outputs[0].dtype = f"{base}_qkv_2d", g.element_type(x)
     cos, sin = b.q_rot.inputs[2], b.q_rot.inputs[3]
@@ -280,7 +321,7 @@ def _replace(graph: ir.Graph, b: _Block, index: int, shapes: dict[int, ir.Value]
     query = node.outputs[0]
     query.name, query.dtype = f"{base}_rotary_query", g.element_type(x)
     query.shape = ir.Shape([None, b.hq, b.d])
-    graph.insert_before(b.qkv, [flat, node])
+    graph.insert_before(b.qkv, [*new_nodes, flat, node])
     old_query = b.pa.inputs[0]
     # query is [T, Hq, D], the shape _heads read PA's query as: it is read directly.
     b.pa.replace_input_with(0, query)

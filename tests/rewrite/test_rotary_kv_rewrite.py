@@ -213,13 +213,13 @@ def test_declines_without_rotaries():
 @needs_op
 @pytest.mark.parametrize("path,dtype", [(FP32, "float32"), (FP16, "float16")] + [
     (FIXTURES / f"{name}.onnx", "float32") for name in ("tx_sdpa_kv", "mistral_window_kv", "gemma2_softcap_kv",
-                                                         "dynamo_cachepos_kv")],
-    ids=["fp32", "fp16", "tx_sdpa", "mistral_window", "gemma2_softcap", "cachepos"])
+                                                         "dynamo_cachepos_kv", "gptoss_sinks_kv")],
+    ids=["fp32", "fp16", "tx_sdpa", "mistral_window", "gemma2_softcap", "cachepos", "gptoss_bias_after_split"])
 def test_fixture_logits_unchanged(path, dtype):
     """The rewritten model with the pass against the same rewrite without it, through a prefill of
     two sequences and decode steps: logits within the tolerance, greedy tokens identical (the
     float32 exports of other forms too: transformers' SDPA, a sliding window, Gemma 2's softcap,
-    cache_position plumbing)."""
+    cache_position plumbing, gpt-oss's Q/K/V biases after the Split, folded into one Add)."""
     from ort_ops.runtime import PagedRunner
 
     fused, results = ort_ops.rewrite_model(str(path), rotary_kv=True)
@@ -292,3 +292,19 @@ def test_bias_before_the_split(path, dtype):
         atol = ROTARY_KV_REWRITE_LOGITS_ATOL_REL[dtype] * max(1.0, float(np.abs(b).max()))
         np.testing.assert_allclose(a, b, rtol=0, atol=atol)
         assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_declines_a_bias_on_the_key_only():
+    """A bias Add after the Split on K alone (not Q and V): declined."""
+    m = _model()
+    split = next(n for n in m.graph if n.op_type == "Split" and len(n.outputs) == 3)
+    k = split.outputs[1]
+    bias = ir.Value(name="k_bias", const_value=ir.tensor(np.full(64, 0.5, np.float32)))
+    m.graph.register_initializer(bias)
+    readers = list(k.uses())
+    add = ir.node("Add", [k, bias], name="k_bias_add")
+    add.outputs[0].name, add.outputs[0].dtype = "k_biased", k.dtype
+    for use in readers:
+        use.node.replace_input_with(use.idx, add.outputs[0])
+    m.graph.insert_after(split, add)
+    _unchanged_decline(m, "on some of Q, K, V only")
