@@ -29,6 +29,7 @@
 #include "ops/moe_init_routing/cuda_op.h"
 #include "ops/paged_attention_int8/cuda_op.h"
 #include "ops/quantize_kv_cache/cuda_op.h"
+#include "ops/rotary_quantize_kv_cache/cuda_op.h"
 #include "ops/swiglu/cuda_op.h"
 #endif
 
@@ -64,6 +65,7 @@ std::vector<const CustomOp*> all_ops() {
       &grouped_matmul_swiglu_quant_cuda_op(),
       &paged_attention_int8_cuda_op(),
       &quantize_kv_cache_cuda_op(),
+      &rotary_quantize_kv_cache_cuda_op(),
       &grouped_matmul_dequant_cuda_op(),
       &moe_init_routing_cuda_op(),
       &moe_finalize_routing_cuda_op(),

@@ -137,8 +137,9 @@ def reference(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, slot_mapping: n
     # Split, then rotate Q and K in float32 and round them to the input dtype.
     x = qkv.reshape(t, num_heads + 2 * kv_num_heads, d).astype(np.float32)
     c32, s32 = cos.astype(np.float32), sin.astype(np.float32)
-    query = rotate(x[:, :num_heads], c32, s32, interleaved).astype(qkv.dtype)
-    key = rotate(x[:, num_heads:num_heads + kv_num_heads], c32, s32, interleaved).astype(qkv.dtype)
+    with np.errstate(over="ignore"):  # float16 rounding of |y| > 65504 is Inf, as the kernels give
+        query = rotate(x[:, :num_heads], c32, s32, interleaved).astype(qkv.dtype)
+        key = rotate(x[:, num_heads:num_heads + kv_num_heads], c32, s32, interleaved).astype(qkv.dtype)
     value = qkv.reshape(t, num_heads + 2 * kv_num_heads, d)[:, num_heads + kv_num_heads:]
     live = slot_mapping >= 0
     for name, v in (("K (after rotation)", key), ("V", value)):
