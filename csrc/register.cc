@@ -12,6 +12,7 @@
 #include "ops/dynamic_quant/op.h"
 #include "ops/paged_attention_int8/op.h"
 #include "ops/quantize_kv_cache/op.h"
+#include "ops/rotary_quantize_kv_cache/op.h"
 #include "ops/grouped_matmul_dequant/op.h"
 #include "ops/grouped_matmul_swiglu_quant/op.h"
 #include "ops/moe_finalize_routing/op.h"
@@ -28,6 +29,7 @@
 #include "ops/moe_init_routing/cuda_op.h"
 #include "ops/paged_attention_int8/cuda_op.h"
 #include "ops/quantize_kv_cache/cuda_op.h"
+#include "ops/rotary_quantize_kv_cache/cuda_op.h"
 #include "ops/swiglu/cuda_op.h"
 #endif
 
@@ -52,6 +54,7 @@ std::vector<const CustomOp*> all_ops() {
       &dynamic_quant_cpu_op(),
       &paged_attention_int8_cpu_op(),
       &quantize_kv_cache_cpu_op(),
+      &rotary_quantize_kv_cache_cpu_op(),
       &grouped_matmul_swiglu_quant_cpu_op(),
       &grouped_matmul_dequant_cpu_op(),
       &moe_init_routing_cpu_op(),
@@ -62,6 +65,7 @@ std::vector<const CustomOp*> all_ops() {
       &grouped_matmul_swiglu_quant_cuda_op(),
       &paged_attention_int8_cuda_op(),
       &quantize_kv_cache_cuda_op(),
+      &rotary_quantize_kv_cache_cuda_op(),
       &grouped_matmul_dequant_cuda_op(),
       &moe_init_routing_cuda_op(),
       &moe_finalize_routing_cuda_op(),

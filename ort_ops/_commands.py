@@ -29,7 +29,8 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     model, results = rewrite_model(model, None, block_size=args.block_size, pv_quant=args.pv_quant,
                                    qk_quant=args.qk_quant, attention=args.attention, moe=args.moe,
                                    moe_weight_layout=args.moe_weight_layout, norms=args.norms,
-                                   concat_matmuls=args.concat_matmuls, rotary=args.rotary, swiglu=args.swiglu)
+                                   concat_matmuls=args.concat_matmuls, rotary=args.rotary, swiglu=args.swiglu,
+                                   rotary_kv=args.rotary_kv)
     _status(args, f"writing {args.output}")
     save_model(model, args.output)
     report = {
@@ -212,6 +213,9 @@ def register(sub) -> None:
                "one MatMul and a Split (default on)")
     _bool_flag(rw, "swiglu", "fuse the MLP's Split -> SiLU -> Mul (after --concat-matmuls) into one ort_ops "
                "SwiGLU node (default off: its GPU speed is not measured yet)", default=False)
+    _bool_flag(rw, "rotary-kv", "fuse each layer's Q/K/V Split, the RotaryEmbeddings of Q and K and the "
+               "QuantizeKVCache (after --attention, --rotary, --concat-matmuls) into one ort_ops "
+               "RotaryQuantizeKVCache node (default off: its GPU speed is not measured yet)", default=False)
     _bool_flag(rw, "rotary", "fuse the RoPE chains of paged models into ORT's com.microsoft RotaryEmbedding "
                              "(default on)")
     rw.add_argument("--moe-weight-layout", choices=WEIGHT_LAYOUTS, default=EKN,

@@ -13,8 +13,9 @@ from ort_ops.ops.moe_init_routing import reference as moe_init_routing
 from ort_ops.ops.paged_attention_int8 import exact_attention
 from ort_ops.ops.paged_attention_int8 import reference as paged_attention_int8
 from ort_ops.ops.quantize_kv_cache import reference as quantize_kv_cache
+from ort_ops.ops.rotary_quantize_kv_cache import reference as rotary_quantize_kv_cache
 from ort_ops.ops.swiglu import reference as swiglu
 
 __all__ = ["dequantize_rows", "dynamic_quant", "exact_attention", "grouped_matmul_dequant",
            "grouped_matmul_swiglu_quant", "moe_finalize_routing", "moe_init_routing", "paged_attention_int8", "quantize_kv_cache",
-           "quantize_rows", "swiglu"]
+           "quantize_rows", "rotary_quantize_kv_cache", "swiglu"]

@@ -124,3 +124,17 @@ def test_rewrite_swiglu_is_opt_in(tmp_path, capsys):
     assert "swiglu: 2 block(s) fused (sigmoid_mul: 2)" in capsys.readouterr().out
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
     assert "swiglu" not in json.loads(capsys.readouterr().out)["fused"]
+
+
+def test_rewrite_rotary_kv_is_opt_in(tmp_path, capsys):
+    """--rotary-kv adds the RotaryQuantizeKVCache pass after the others (one block a layer);
+    without it the report has no rotary_kv entry."""
+    out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--rotary-kv"]) == 0
+    text = capsys.readouterr().out
+    assert "rotary_kv: 2 block(s) fused" in text and "declined" not in text
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--rotary-kv", "--no-rotary", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fused"]["rotary_kv"] == 0 and report["declined"]["rotary_kv"] == 2
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
+    assert "rotary_kv" not in json.loads(capsys.readouterr().out)["fused"]

@@ -220,3 +220,28 @@ SWIGLU_VS_QUICKGELU_F16_ABS = 2.0 ** -24
 # the fused op does not; measured 0 (the logits' own float16 rounding absorbs it); 2e-3 is one
 # float16 ulp at |logit| in [2, 4), the fixture's range.
 SWIGLU_REWRITE_LOGITS_ATOL_REL = {"float32": 1e-5, "float16": 2e-3}
+
+# RotaryQuantizeKVCache against the graph it replaces on ORT's CPU EP, Split ->
+# com.microsoft.RotaryEmbedding (Q, K) -> QuantizeKVCache (tests/ops/test_rotary_quantize_kv_cache.py,
+# DESIGN.md "RotaryQuantizeKVCache"). The op rounds each product and then the sum to float32.
+# float32: ORT's kernel fuses one product into the sum (an FMA), which skips that product's
+# rounding: |y - y_ort| <= 2^-24 |a c| + 2^-23 |y| <= 1.5 * 2^-23 (|a c| + |b s|) for
+# y = a c - b s (likewise the sum), i.e. relative to the operands, not to y (where they cancel, y
+# may be hundreds of its own ulps apart). Measured 1.0 * 2^-23 (|a c| + |b s|) over 12 seeds x 12
+# shapes. float16: ORT widens to float32 without an FMA and rounds once, as the op does: measured
+# bit-exact; the bound allows the one float16 ulp of the contract's statement.
+ROTARY_QKV_F32_QUERY_REL_OPERANDS = 1.5 * 2.0 ** -23
+ROTARY_QKV_F16_QUERY_ULPS = 1
+# A rotated K value off as above can move its code across a rounding tie (one step; measured no
+# code moved in 3.5M) or change its row's absmax, so its scale: the absmax element's operands are
+# at most 2 |amax| (|a c| + |b s| <= sqrt(2) |(a, b)| <= 2 amax), 3 * 2^-23 amax apart, plus the
+# division's rounding: 4 float32 ulps of the scale. Measured 2.
+ROTARY_QKV_CODE_STEPS = 1
+ROTARY_QKV_SCALE_ULPS = 4
+# A rewritten fixture's logits with the rotary_kv pass against the same rewrite without it
+# (tests/rewrite/test_rotary_kv_rewrite.py), relative to max(1, max |logit|). The fused op's
+# rotation is ORT's up to the bounds above (ORT's float32 FMA; K codes one step at a tie, scales
+# a few ulps). float32: measured 3.4e-7 (gemma2 softcap 4.3e-7) over
+# 6 prefill/decode steps of the 2-layer exports; 1e-5 catches a wrong head, column block or cos row.
+# float16: measured 0; 2e-3 is one float16 ulp at |logit| in [2, 4), the fixture's range.
+ROTARY_KV_REWRITE_LOGITS_ATOL_REL = {"float32": 1e-5, "float16": 2e-3}

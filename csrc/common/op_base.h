@@ -6,7 +6,8 @@
 // Input dtypes: the float activation inputs are declared UNDEFINED (any type) so that the
 // kernel, not ORT's type checker, reports a wrong dtype with the message format of STYLE.md.
 // ORT infers a dynamically typed output only from a single dynamically typed input, so an op
-// with a float output whose type follows its input has exactly one dynamic input.
+// with a float output whose type follows its input has exactly one dynamic input, or (when
+// several float inputs share one dtype) an infer_outputs function that sets the output's type.
 #pragma once
 
 #include <memory>
@@ -24,11 +25,15 @@ struct IoSpec {
   bool optional = false;
 };
 
+// ORT's OrtCustomOp::InferOutputShapeFn: sets output types and shapes at graph resolution.
+using InferOutputsFn = OrtStatusPtr(ORT_API_CALL*)(const OrtCustomOp* op, OrtShapeInferContext* ctx);
+
 struct OpSpec {
   const char* name;
   const char* execution_provider;  // kCpuEp or kCudaEp
   std::vector<IoSpec> inputs;
   std::vector<IoSpec> outputs;
+  InferOutputsFn infer_outputs = nullptr;
 };
 
 inline constexpr const char* kCpuEp = "CPUExecutionProvider";
@@ -41,6 +46,7 @@ struct OpSignature {
   const char* name;
   std::vector<IoSpec> inputs;
   std::vector<IoSpec> outputs;
+  InferOutputsFn infer_outputs = nullptr;  // nullptr: ORT's own type inference (see above)
 };
 
 class KernelImpl {
@@ -65,11 +71,12 @@ struct KernelAdapter {
 class CustomOp : public Ort::CustomOpBase<CustomOp, KernelAdapter, /*WithStatus=*/true> {
  public:
   CustomOp(const OpSignature& sig, const char* execution_provider, KernelFactory factory)
-      : CustomOp(OpSpec{sig.name, execution_provider, sig.inputs, sig.outputs}, factory) {}
+      : CustomOp(OpSpec{sig.name, execution_provider, sig.inputs, sig.outputs, sig.infer_outputs}, factory) {}
   CustomOp(OpSpec spec, KernelFactory factory) : spec_(std::move(spec)), factory_(factory) {
     // CustomOpBase stamps the headers' ORT_API_VERSION (21); an older runtime refuses a custom op
     // newer than itself. We use no OrtCustomOp field past version kMinOrtApiVersion.
     OrtCustomOp::version = kMinOrtApiVersion;
+    OrtCustomOp::InferOutputShapeFn = spec_.infer_outputs;
   }
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;

@@ -78,10 +78,17 @@ def _check(key, value, slot_mapping, key_cache, value_cache, key_scale, value_sc
     t, hkv, d = key.shape
     if value.shape != key.shape:
         raise ValueError(f"{OP}: input 'value' must have shape {list(key.shape)}, got {list(value.shape)}")
+    check_caches(OP, t, hkv, d, slot_mapping, key_cache, value_cache, key_scale, value_scale)
+
+
+def check_caches(op: str, t: int, hkv: int, d: int, slot_mapping, key_cache, value_cache, key_scale,
+                 value_scale) -> None:
+    """The checks of slot_mapping and the four caches for T tokens of Hkv heads of D values, with
+    messages naming ``op`` (shared with the ops that write the cache the same way)."""
     if slot_mapping.shape != (t,):
-        raise ValueError(f"{OP}: input 'slot_mapping' must have shape [{t}], got {list(slot_mapping.shape)}")
+        raise ValueError(f"{op}: input 'slot_mapping' must have shape [{t}], got {list(slot_mapping.shape)}")
     if key_cache.ndim != 4:
-        raise ValueError(f"{OP}: input 'key_cache' must have rank 4, got shape {list(key_cache.shape)}")
+        raise ValueError(f"{op}: input 'key_cache' must have rank 4, got shape {list(key_cache.shape)}")
     n, _, b, _ = key_cache.shape
     want = {"key_cache": (n, hkv, b, d), "value_cache": (n, hkv, d, b),
             "key_scale": (n, hkv, b), "value_scale": (n, hkv, b)}
@@ -89,13 +96,13 @@ def _check(key, value, slot_mapping, key_cache, value_cache, key_scale, value_sc
            "value_scale": value_scale}
     for name, shape in want.items():
         if got[name].shape != shape:
-            raise ValueError(f"{OP}: input '{name}' must have shape {list(shape)}, got {list(got[name].shape)}")
+            raise ValueError(f"{op}: input '{name}' must have shape {list(shape)}, got {list(got[name].shape)}")
     live = slot_mapping[slot_mapping >= 0]
     if live.size and live.max() >= n * b:
         bad = int(live.max())
-        raise ValueError(f"{OP}: input 'slot_mapping' must hold slots < {n * b} (num_blocks * block_size), got {bad}")
+        raise ValueError(f"{op}: input 'slot_mapping' must hold slots < {n * b} (num_blocks * block_size), got {bad}")
     if np.unique(live).size != live.size:
-        raise ValueError(f"{OP}: input 'slot_mapping' must not repeat a slot")
+        raise ValueError(f"{op}: input 'slot_mapping' must not repeat a slot")
 
 
 def reference(key: np.ndarray, value: np.ndarray, slot_mapping: np.ndarray, key_cache: np.ndarray,

@@ -77,7 +77,8 @@ def save_model(model, path) -> None:
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
                   attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True,
-                  concat_matmuls: bool = True, rotary: bool = True, swiglu: bool = False):
+                  concat_matmuls: bool = True, rotary: bool = True, swiglu: bool = False,
+                  rotary_kv: bool = False):
     """Runs the fusions on a model.
 
     Args:
@@ -94,6 +95,10 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         swiglu: the MLP's Split -> SiLU(gate) -> Mul(., up) as one ort_ops SwiGLU node, after
             concat_matmuls (ort_ops/rewrite/swiglu.py). Off by default: its GPU speed is not
             measured yet.
+        rotary_kv: each layer's Split of the joined Q/K/V projection, the RotaryEmbeddings of Q
+            and K and the QuantizeKVCache as one ort_ops RotaryQuantizeKVCache node, after
+            attention, rotary and concat_matmuls (ort_ops/rewrite/rotary_kv.py). Off by default:
+            its GPU speed is not measured yet.
         rotary: RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding (one kernel per
             Q and per K of a layer instead of 7-8, and the Transposes around them; ort_ops/rewrite/rotary.py).
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:
@@ -120,7 +125,8 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
     m = load_model(model) if isinstance(model, (str, Path)) else model
     options = RewriteOptions(block_size=block_size, pv_quant=pv_quant, qk_quant=qk_quant,
                              attention=attention, moe=moe, moe_weight_layout=moe_weight_layout, norms=norms,
-                             concat_matmuls=concat_matmuls, rotary=rotary, swiglu=swiglu)
+                             concat_matmuls=concat_matmuls, rotary=rotary, swiglu=swiglu,
+                             rotary_kv=rotary_kv)
     results = run_fusions(m, options)
     if output is not None:
         save_model(m, output)

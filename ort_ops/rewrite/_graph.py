@@ -208,6 +208,43 @@ def node_names(nodes: Iterable[ir.Node]) -> str:
     return ", ".join(n.name or n.op_type for n in nodes)
 
 
+def last_axis_split(split: ir.Node) -> tuple[list[int] | None, str]:
+    """(sizes, "") for a Split along its input's last axis: its sizes input (a constant) or its
+    ``split`` attribute, None when it gives neither (equal parts); (None, the reason) when the axis
+    is another or the sizes input is not a constant."""
+    x = split.inputs[0]
+    r = rank(x)
+    axis = attr_int(split, "axis", 0)
+    if not (axis == -1 or (r is not None and axis == r - 1)):
+        return None, f"Split axis {axis} is not the last axis (input rank {r})"
+    if len(split.inputs) > 1 and split.inputs[1] is not None:
+        arr = const_array(split.inputs[1])
+        if arr is None:
+            return None, "Split sizes are not a constant"
+        return [int(s) for s in arr.reshape(-1)], ""
+    return attr_ints(split, "split"), ""
+
+
+def sweep(graph: ir.Graph, values: list[ir.Value]) -> None:
+    """Removes the nodes (and initializers) left without readers among ``values`` and what only
+    they read, transitively (a fusion's replaced chain: its layout nodes, shape arithmetic,
+    constants). Graph inputs and outputs stay."""
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if v is None or v.is_graph_output() or v.is_graph_input() or list(v.uses()):
+            continue
+        if v.name in graph.initializers and graph.initializers[v.name] is v:
+            del graph.initializers[v.name]
+            continue
+        n = v.producer()
+        if n is None or n.graph is not graph or any(list(o.uses()) or o.is_graph_output() for o in n.outputs):
+            continue
+        ins = list(n.inputs)
+        graph.remove(n, safe=True)
+        stack.extend(ins)
+
+
 # --- probing -------------------------------------------------------------------------------------
 
 PROBE_BATCH = 2

@@ -30,6 +30,9 @@ class RewriteOptions:
     concat_matmuls: bool = True  # MatMuls of one activation as one MatMul and a Split
     rotary: bool = True  # RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding
     swiglu: bool = False  # the MLP's Split + SiLU + Mul as one ort_ops SwiGLU (opt-in: GPU speed unmeasured)
+    # Split + rotaries of Q and K + QuantizeKVCache as one ort_ops RotaryQuantizeKVCache (opt-in:
+    # GPU speed unmeasured)
+    rotary_kv: bool = False
 
 
 @dataclasses.dataclass
@@ -42,7 +45,7 @@ class Decline:
 
 @dataclasses.dataclass
 class FusionResult:
-    kind: str  # "attention", "moe", "rotary", "rmsnorm", "matmul_concat", "swiglu"
+    kind: str  # "attention", "moe", "rotary", "rmsnorm", "matmul_concat", "swiglu", "rotary_kv"
     fused: int = 0
     declined: list[Decline] = dataclasses.field(default_factory=list)
     details: dict = dataclasses.field(default_factory=dict)  # per-kind facts (forms matched, bytes, ...)
@@ -67,6 +70,9 @@ FUSIONS: list[tuple[str, str, str]] = [
     ("matmul_concat", "concat_matmuls", "ort_ops.rewrite.matmul_concat:fuse_matmul_concat"),
     # SwiGLU after the joined projections: it matches the gate/up Split that matmul_concat writes.
     ("swiglu", "swiglu", "ort_ops.rewrite.swiglu:fuse_swiglu"),
+    # The attention prologue last: it matches what attention, rotary and matmul_concat wrote (the
+    # QuantizeKVCache, the RotaryEmbeddings, the Q/K/V Split).
+    ("rotary_kv", "rotary_kv", "ort_ops.rewrite.rotary_kv:fuse_rotary_kv"),
 ]
 
 

@@ -469,26 +469,6 @@ def _candidates(graph: ir.Graph) -> list[tuple[ir.Node, str]]:
     return out
 
 
-def _sweep(graph: ir.Graph, values: list[ir.Value]) -> None:
-    """Removes the nodes (and initializers) left without readers among ``values`` and what only
-    they read: the halves' Slices/Splits, the Slice bounds' Shape arithmetic, the cos/sin
-    Unsqueezes, the Transpose the op no longer reads."""
-    stack = list(values)
-    while stack:
-        v = stack.pop()
-        if v is None or v.is_graph_output() or v.is_graph_input() or list(v.uses()):
-            continue
-        if v.name in graph.initializers and graph.initializers[v.name] is v:
-            del graph.initializers[v.name]
-            continue
-        n = v.producer()
-        if n is None or n.graph is not graph or any(list(o.uses()) or o.is_graph_output() for o in n.outputs):
-            continue
-        ins = list(n.inputs)
-        graph.remove(n, safe=True)
-        stack.extend(ins)
-
-
 def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
     """Replaces every RoPE chain of a paged model's main graph it can read exactly (module docstring).
 
@@ -623,5 +603,5 @@ def fuse_rotary(model: ir.Model, options: RewriteOptions) -> FusionResult:
         forms[r.form] = forms.get(r.form, 0) + 1
         result.fused += 1
     # The Transposes the ops no longer read (and what only they read) go too.
-    _sweep(graph, orphans)
+    g.sweep(graph, orphans)
     return result

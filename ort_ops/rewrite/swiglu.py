@@ -44,18 +44,9 @@ def _halves_reason(split: ir.Node) -> str | None:
     if len(split.outputs) != 2:
         return f"Split has {len(split.outputs)} outputs, not 2"
     x = split.inputs[0]
-    rank = g.rank(x)
-    axis = g.attr_int(split, "axis", 0)
-    if not (axis == -1 or (rank is not None and axis == rank - 1)):
-        return f"Split axis {axis} is not the last axis (input rank {rank})"
-    sizes = None
-    if len(split.inputs) > 1 and split.inputs[1] is not None:
-        arr = g.const_array(split.inputs[1])
-        if arr is None:
-            return "Split sizes are not a constant"
-        sizes = [int(s) for s in arr.reshape(-1)]
-    elif g.attr_ints(split, "split") is not None:
-        sizes = g.attr_ints(split, "split")
+    sizes, why = g.last_axis_split(split)
+    if why:
+        return why
     if sizes is not None:
         return None if len(sizes) == 2 and sizes[0] == sizes[1] else f"Split sizes {sizes} are not two equal halves"
     width = g.dim(x, -1)

@@ -21,7 +21,7 @@ PV_QUANT = {"none": 0, "s8": 1, "u8": 2}
 PA_STATUS = {1: "block_tables entry out of range", 2: "seq_lens out of range", 4: "cu_seqlens_q invalid",
              8: "query not finite", 16: "decode_with_cu: a sequence has not exactly one query row",
              32: "head_sink not finite"}
-QKV_STATUS = {1: "slot_mapping entry out of range", 2: "key/value not finite"}
+QKV_STATUS = {1: "slot_mapping entry out of range", 2: "key/value not finite"}  # RotaryQuantizeKVCache's too
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -55,6 +55,9 @@ def _lib() -> ctypes.CDLL:
     f.restype = ctypes.c_int
     f.argtypes = [vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                   ctypes.c_longlong, vp, vp]
+    f = lib.ort_ops_cuda_rotary_quantize_kv_cache
+    f.restype = ctypes.c_int
+    f.argtypes = [vp, vp, vp, ctypes.c_int, vp, vp, vp, vp, vp, vp] + [ctypes.c_int] * 7 + [ctypes.c_longlong, vp, vp]
     return lib
 
 
@@ -143,3 +146,25 @@ def quantize_kv_cache(key, value, slot_mapping, key_cache, value_cache, key_scal
         raise RuntimeError(f"QuantizeKVCache: CUDA error {rc}")
     torch.cuda.synchronize()
     return int(status[0].item())
+
+
+def rotary_quantize_kv_cache(qkv, cos, sin, slot_mapping, key_cache, value_cache, key_scale, value_scale, *,
+                             num_heads, kv_num_heads, interleaved=0, query=None):
+    """RotaryQuantizeKVCache: the four caches updated in place; returns (query [T, Hq, D] of qkv's
+    dtype, status word). ``query`` may be given (e.g. NaN-poisoned) to be written into."""
+    import torch
+
+    t, width = qkv.shape
+    d = width // (num_heads + 2 * kv_num_heads)
+    n, _, b, _ = key_cache.shape
+    if query is None:
+        query = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    status = torch.zeros(8, dtype=torch.int32, device=qkv.device)  # the word, then the check's scratch
+    rc = _lib().ort_ops_cuda_rotary_quantize_kv_cache(
+        _ptr(qkv), _ptr(cos), _ptr(sin), int(qkv.dtype == torch.float16), _ptr(query), _ptr(slot_mapping),
+        _ptr(key_cache), _ptr(value_cache), _ptr(key_scale), _ptr(value_scale), t, num_heads, kv_num_heads, d,
+        cos.shape[1], int(interleaved), b, n * b, _ptr(status), torch.cuda.current_stream().cuda_stream)
+    if rc != 0:
+        raise RuntimeError(f"RotaryQuantizeKVCache: CUDA error {rc}")
+    torch.cuda.synchronize()
+    return query, int(status[0].item())

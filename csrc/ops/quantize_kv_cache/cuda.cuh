@@ -44,6 +44,13 @@ struct QuantizeKvCacheParams {
 
 size_t quantize_kv_cache_workspace_bytes(int64_t num_tokens);
 
+// For T > kQkvInlineCheckMax: enqueues the slot check (range, no live slot twice) whose verdict
+// the writing kernels read from the first int of `workspace` (quantize_kv_cache_workspace_bytes(T)
+// bytes of device scratch) before writing anything (cuda_device.cuh, slots_bad); a bad
+// slot_mapping also sets kQkvSlotBad in *status.
+cudaError_t launch_kv_slot_check(const int64_t* slot_mapping, int num_tokens, int64_t num_slots, void* workspace,
+                                 int* status, cudaStream_t stream);
+
 // Quantizes each (token, kv head) K and V vector with the contract's rule (bit-exact with
 // ort_ops.ops._quant.quantize_rows) and writes the codes and scales into its slot. The slots are
 // checked on the device before anything is written (range, no live slot twice): a bad

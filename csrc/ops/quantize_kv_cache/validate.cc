@@ -16,29 +16,37 @@ Inputs read_inputs(const Ort::KernelContext& ctx) {
                 read_input(ctx, 4), read_input(ctx, 5), read_input(ctx, 6)};
 }
 
+void check_cache_dtypes(const char* op, const Caches& c) {
+  require_dtype(op, "slot_mapping", c.slot_mapping, {I64});
+  require_dtype(op, "key_cache", c.key_cache, {I8});
+  require_dtype(op, "value_cache", c.value_cache, {I8});
+  require_dtype(op, "key_scale", c.key_scale, {F32});
+  require_dtype(op, "value_scale", c.value_scale, {F32});
+}
+
+Dims check_cache_shapes(const char* op, const Caches& c, int64_t T, int64_t H, int64_t D) {
+  require_shape(op, "slot_mapping", c.slot_mapping, {T});
+  require_rank(op, "key_cache", c.key_cache, 4);
+  const int64_t N = c.key_cache.dim(0), B = c.key_cache.dim(2);
+  require_shape(op, "key_cache", c.key_cache, {N, H, B, D});
+  require_shape(op, "value_cache", c.value_cache, {N, H, D, B});
+  require_shape(op, "key_scale", c.key_scale, {N, H, B});
+  require_shape(op, "value_scale", c.value_scale, {N, H, B});
+  return Dims{T, H, D, N, B};
+}
+
 Dims validate_inputs(const Inputs& in, const DeviceChecks& device) {
   require_dtype(kOp, "key", in.key, {F32, F16});
   require_dtype(kOp, "value", in.value, {F32, F16});
   if (device.key_value_dtypes) device.key_value_dtypes(in.key, in.value);
-  require_dtype(kOp, "slot_mapping", in.slot_mapping, {I64});
-  require_dtype(kOp, "key_cache", in.key_cache, {I8});
-  require_dtype(kOp, "value_cache", in.value_cache, {I8});
-  require_dtype(kOp, "key_scale", in.key_scale, {F32});
-  require_dtype(kOp, "value_scale", in.value_scale, {F32});
+  check_cache_dtypes(kOp, in.caches());
   require_rank(kOp, "key", in.key, 3);
   const int64_t T = in.key.dim(0), H = in.key.dim(1), D = in.key.dim(2);
   require_shape(kOp, "value", in.value, in.key.shape);
-  require_shape(kOp, "slot_mapping", in.slot_mapping, {T});
-  require_rank(kOp, "key_cache", in.key_cache, 4);
-  const int64_t N = in.key_cache.dim(0), B = in.key_cache.dim(2);
-  require_shape(kOp, "key_cache", in.key_cache, {N, H, B, D});
-  require_shape(kOp, "value_cache", in.value_cache, {N, H, D, B});
-  require_shape(kOp, "key_scale", in.key_scale, {N, H, B});
-  require_shape(kOp, "value_scale", in.value_scale, {N, H, B});
-  return Dims{T, H, D, N, B};
+  return check_cache_shapes(kOp, in.caches(), T, H, D);
 }
 
-int64_t check_slots(const int64_t* slot, const Dims& d) {
+int64_t check_slots(const char* op, const int64_t* slot, const Dims& d) {
   // Live slots distinct: parallel writers (CPU tasks, CUDA threads) must not collide.
   const int64_t num_slots = d.N * d.B;
   std::vector<int64_t> live;
@@ -46,14 +54,14 @@ int64_t check_slots(const int64_t* slot, const Dims& d) {
   for (int64_t t = 0; t < d.T; ++t) {
     if (slot[t] < 0) continue;
     if (slot[t] >= num_slots)
-      fail_invalid(kOp, "input 'slot_mapping' must hold slots < ", num_slots,
+      fail_invalid(op, "input 'slot_mapping' must hold slots < ", num_slots,
                    " (num_blocks * block_size), got slot_mapping[", t, "] = ", slot[t]);
     live.push_back(slot[t]);
   }
   std::sort(live.begin(), live.end());
   const auto dup = std::adjacent_find(live.begin(), live.end());
   if (dup != live.end())
-    fail_invalid(kOp, "input 'slot_mapping' must not repeat a slot, got slot ", *dup, " twice");
+    fail_invalid(op, "input 'slot_mapping' must not repeat a slot, got slot ", *dup, " twice");
   return static_cast<int64_t>(live.size());
 }
 

@@ -16,9 +16,15 @@ namespace ort_ops::quantize_kv_cache {
 
 inline constexpr const char* kOp = "QuantizeKVCache";
 
+// slot_mapping and the four caches: the inputs every op that writes the paged cache takes.
+struct Caches {
+  InputView slot_mapping, key_cache, value_cache, key_scale, value_scale;
+};
+
 // The inputs in schema order.
 struct Inputs {
   InputView key, value, slot_mapping, key_cache, value_cache, key_scale, value_scale;
+  Caches caches() const { return Caches{slot_mapping, key_cache, value_cache, key_scale, value_scale}; }
 };
 
 struct Dims {
@@ -37,9 +43,15 @@ Inputs read_inputs(const Ort::KernelContext& ctx);
 // Checks every input's dtype, rank and shape; returns the dims.
 Dims validate_inputs(const Inputs& in, const DeviceChecks& device);
 
+// The cache checks, with messages naming `op`, for the ops that write the cache as this one does
+// (RotaryQuantizeKVCache): the dtypes of the five inputs, then (after the op's own rank checks)
+// their shapes for T tokens of H kv heads of D values. Returns the dims.
+void check_cache_dtypes(const char* op, const Caches& c);
+Dims check_cache_shapes(const char* op, const Caches& c, int64_t T, int64_t H, int64_t D);
+
 // Checks the T slots at `slot` (host memory): each < N * B (a negative one skips its token) and
-// no live slot twice. Returns how many are live.
-int64_t check_slots(const int64_t* slot, const Dims& d);
+// no live slot twice. Returns how many are live. Messages name `op`.
+int64_t check_slots(const char* op, const int64_t* slot, const Dims& d);
 
 // Inputs and outputs of the op, registered for every execution provider (register.cc).
 const OpSignature& signature();
