@@ -119,6 +119,16 @@ def test_token_counts_and_isas(monkeypatch, rng, isa, t):
         _assert_exact(got[1:], [ins[n] for n in CACHE_NAMES], CACHE_NAMES)
 
 
+def test_one_session_for_any_token_count(rng):
+    """Symbolic input dims (a decode/prefill model's): the op's output type inference gives query
+    qkv's dtype, and one session serves T = 5, 0 and 40."""
+    attrs = {"num_heads": 8, "kv_num_heads": 2}
+    sess = make_session(SCHEMA, _inputs(rng, 5, 8, 2, 64, 16, dtype=np.float16), dynamic_shapes=True, **attrs)
+    for t in (5, 0, 40):
+        ins = _inputs(rng, t, 8, 2, 64, 16, dtype=np.float16)
+        _assert_exact(sess.run(None, ins), reference.rotary_quantize_kv_cache(**ins, **attrs))
+
+
 @pytest.mark.parametrize("interleaved", [0, 1])
 def test_hand_computed_values(interleaved):
     """One token, Hq = Hkv = 1, D = 4, R = 4: the rotation by 90 degrees (c = 0, s = 1) on pair 0 and
