@@ -51,23 +51,30 @@ from ort_ops.ops._schema import FLOAT_TYPES, Arg, OpSchema
 
 OP = "QuantizeKVCache"
 
+# slot_mapping and the four caches in, the four caches out: the arguments of every op that writes
+# the paged cache as this one does (RotaryQuantizeKVCache too).
+CACHE_INPUTS = (
+    Arg("slot_mapping", ("int64",), doc="[T] cache slot of each token; negative: skip"),
+    Arg("key_cache", ("int8",), doc="[N, Hkv, B, D]"),
+    Arg("value_cache", ("int8",), doc="[N, Hkv, D, B] (token innermost)"),
+    Arg("key_scale", ("float32",), doc="[N, Hkv, B]"),
+    Arg("value_scale", ("float32",), doc="[N, Hkv, B]"),
+)
+CACHE_OUTPUTS = (
+    Arg("key_cache_out", ("int8",), doc="[N, Hkv, B, D]"),
+    Arg("value_cache_out", ("int8",), doc="[N, Hkv, D, B]"),
+    Arg("key_scale_out", ("float32",), doc="[N, Hkv, B]"),
+    Arg("value_scale_out", ("float32",), doc="[N, Hkv, B]"),
+)
+
 SCHEMA = OpSchema(
     name=OP,
     inputs=(
         Arg("key", FLOAT_TYPES, doc="[T, Hkv, D] new keys"),
         Arg("value", FLOAT_TYPES, doc="[T, Hkv, D] new values"),
-        Arg("slot_mapping", ("int64",), doc="[T] cache slot of each token; negative: skip"),
-        Arg("key_cache", ("int8",), doc="[N, Hkv, B, D]"),
-        Arg("value_cache", ("int8",), doc="[N, Hkv, D, B] (token innermost)"),
-        Arg("key_scale", ("float32",), doc="[N, Hkv, B]"),
-        Arg("value_scale", ("float32",), doc="[N, Hkv, B]"),
+        *CACHE_INPUTS,
     ),
-    outputs=(
-        Arg("key_cache_out", ("int8",), doc="[N, Hkv, B, D]"),
-        Arg("value_cache_out", ("int8",), doc="[N, Hkv, D, B]"),
-        Arg("key_scale_out", ("float32",), doc="[N, Hkv, B]"),
-        Arg("value_scale_out", ("float32",), doc="[N, Hkv, B]"),
-    ),
+    outputs=CACHE_OUTPUTS,
     doc=__doc__,
 )
 

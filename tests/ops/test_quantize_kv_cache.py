@@ -74,12 +74,19 @@ def test_edge_rows(rng):
     np.testing.assert_array_equal(got[0][blk, 0, off, 1:5], [0, 2, 2, -2])
 
 
-def _bound_session(ins, same_buffers: bool):
-    """Runs through IOBinding; outputs bound to the inputs' own OrtValues when same_buffers."""
-    sess = make_session(SCHEMA, ins)
+def _bound_session(ins, same_buffers: bool, schema=SCHEMA, **attrs):
+    """Runs ``schema`` (QuantizeKVCache, or another op that writes the cache the same way) through
+    IOBinding: the cache outputs bound to the inputs' own OrtValues when same_buffers, to fresh
+    zero buffers otherwise; the other inputs bound from host memory. Returns (the caches' input
+    OrtValues, the separate output OrtValues, the other outputs as numpy by name)."""
+    sess = make_session(schema, ins, **attrs)
     io = sess.io_binding()
-    for name in ("key", "value", "slot_mapping"):
-        io.bind_cpu_input(name, ins[name])
+    for name in schema.input_names():
+        if name not in CACHE_NAMES:
+            io.bind_cpu_input(name, ins[name])
+    others = [name for name in schema.output_names() if name[:-len("_out")] not in CACHE_NAMES]
+    for name in others:
+        io.bind_output(name)
     values = {name: ort.OrtValue.ortvalue_from_numpy(ins[name]) for name in CACHE_NAMES}
     outs = {}
     for name in CACHE_NAMES:
@@ -90,7 +97,7 @@ def _bound_session(ins, same_buffers: bool):
             outs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(ins[name]))
             io.bind_ortvalue_output(name + "_out", outs[name])
     sess.run_with_iobinding(io)
-    return values, outs
+    return values, outs, dict(zip(others, io.copy_outputs_to_cpu()[:len(others)]))
 
 
 def test_in_place_through_iobinding(rng):
@@ -98,7 +105,7 @@ def test_in_place_through_iobinding(rng):
     ins = _inputs(rng, 9, 2, 128, 6, 16)
     want = reference.quantize_kv_cache(**ins)
     old = {name: ins[name].copy() for name in CACHE_NAMES}
-    values, _ = _bound_session(ins, same_buffers=True)
+    values, _, _ = _bound_session(ins, same_buffers=True)
     ptrs = {name: values[name].data_ptr() for name in CACHE_NAMES}
     got = [values[name].numpy() for name in CACHE_NAMES]
     _assert_exact(got, want)
@@ -116,7 +123,7 @@ def test_separate_output_buffers_copy(rng):
     """Outputs bound to fresh buffers: a full copy plus the new slots; the inputs are untouched."""
     ins = _inputs(rng, 7, 2, 64, 4, 8)
     old = {name: ins[name].copy() for name in CACHE_NAMES}
-    values, outs = _bound_session(ins, same_buffers=False)
+    values, outs, _ = _bound_session(ins, same_buffers=False)
     _assert_exact([outs[n].numpy() for n in CACHE_NAMES], reference.quantize_kv_cache(**ins))
     for name in CACHE_NAMES:
         np.testing.assert_array_equal(values[name].numpy(), old[name], err_msg=name)

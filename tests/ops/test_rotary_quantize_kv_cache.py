@@ -20,6 +20,7 @@ from ort_ops.ops import quantize_kv_cache, rotary_quantize_kv_cache
 from ort_ops.ops._run import make_session, run_single_op
 from ort_ops.ops._schema import IR_VERSION, ONNX_OPSET
 from tests.conftest import use_isa
+from tests.ops import test_quantize_kv_cache as qkv_tests
 from tests.tolerances import (ROTARY_QKV_CODE_STEPS, ROTARY_QKV_F16_QUERY_ULPS, ROTARY_QKV_F32_QUERY_REL_OPERANDS,
                               ROTARY_QKV_SCALE_ULPS)
 
@@ -118,6 +119,16 @@ def test_token_counts_and_isas(monkeypatch, rng, isa, t):
         _assert_exact(got[1:], [ins[n] for n in CACHE_NAMES], CACHE_NAMES)
 
 
+def test_one_session_for_any_token_count(rng):
+    """Symbolic input dims (a decode/prefill model's): the op's output type inference gives query
+    qkv's dtype, and one session serves T = 5, 0 and 40."""
+    attrs = {"num_heads": 8, "kv_num_heads": 2}
+    sess = make_session(SCHEMA, _inputs(rng, 5, 8, 2, 64, 16, dtype=np.float16), dynamic_shapes=True, **attrs)
+    for t in (5, 0, 40):
+        ins = _inputs(rng, t, 8, 2, 64, 16, dtype=np.float16)
+        _assert_exact(sess.run(None, ins), reference.rotary_quantize_kv_cache(**ins, **attrs))
+
+
 @pytest.mark.parametrize("interleaved", [0, 1])
 def test_hand_computed_values(interleaved):
     """One token, Hq = Hkv = 1, D = 4, R = 4: the rotation by 90 degrees (c = 0, s = 1) on pair 0 and
@@ -169,24 +180,10 @@ def test_non_finite_query_is_not_an_error(rng):
 
 
 def _bound_session(ins, attrs, same_buffers: bool):
-    """Runs through IOBinding; the cache outputs bound to the inputs' own OrtValues when
-    same_buffers, to fresh zero buffers otherwise."""
-    sess = make_session(SCHEMA, ins, **attrs)
-    io = sess.io_binding()
-    for name in ("qkv", "cos", "sin", "slot_mapping"):
-        io.bind_cpu_input(name, ins[name])
-    values = {name: ort.OrtValue.ortvalue_from_numpy(ins[name]) for name in CACHE_NAMES}
-    io.bind_output("query")  # output 0 of copy_outputs_to_cpu()
-    outs = {}
-    for name in CACHE_NAMES:
-        io.bind_ortvalue_input(name, values[name])
-        if same_buffers:
-            io.bind_ortvalue_output(name + "_out", values[name])
-        else:
-            outs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros_like(ins[name]))
-            io.bind_ortvalue_output(name + "_out", outs[name])
-    sess.run_with_iobinding(io)
-    return values, outs, io.copy_outputs_to_cpu()[0]
+    """QuantizeKVCache's IOBinding runner on this op; returns (cache inputs, separate cache
+    outputs, query)."""
+    values, outs, others = qkv_tests._bound_session(ins, same_buffers, SCHEMA, **attrs)
+    return values, outs, others["query"]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

@@ -107,22 +107,12 @@ ORT_OPS_CUDA_EXPORT int ort_ops_cuda_quantize_kv_cache(const void* key, const vo
                                                        void* key_scale, void* value_scale, int num_tokens,
                                                        int num_kv_heads, int head_dim, int block_size,
                                                        long long num_slots, int* status, void* stream) {
-  ort_ops::QuantizeKvCacheParams p;
+  // `status` is 32 bytes of device memory: the status word, then the slot check's scratch.
+  ort_ops::QuantizeKvCacheParams p =
+      ort_ops::kv_cache_params(slot_mapping, key_cache, value_cache, key_scale, value_scale, num_tokens, num_kv_heads,
+                               head_dim, block_size, num_slots, status, reinterpret_cast<char*>(status) + 16);
   p.key = key;
   p.value = value;
   p.input_fp16 = input_fp16 != 0;
-  p.slot_mapping = static_cast<const int64_t*>(slot_mapping);
-  p.key_cache = static_cast<int8_t*>(key_cache);
-  p.value_cache = static_cast<int8_t*>(value_cache);
-  p.key_scale = static_cast<float*>(key_scale);
-  p.value_scale = static_cast<float*>(value_scale);
-  p.num_tokens = num_tokens;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.block_size = block_size;
-  p.num_slots = num_slots;
-  // `status` is 32 bytes of device memory: the status word, then the slot check's scratch.
-  p.status = status;
-  p.workspace = reinterpret_cast<char*>(status) + 16;
   return static_cast<int>(ort_ops::launch_quantize_kv_cache(p, static_cast<cudaStream_t>(stream)));
 }

@@ -42,6 +42,28 @@ struct QuantizeKvCacheParams {
   void* workspace = nullptr;  // quantize_kv_cache_workspace_bytes(num_tokens) bytes (when non-zero)
 };
 
+// The cache part of the params (all but key, value and input_fp16) from raw pointers, for the C
+// entries that tests call through ctypes.
+inline QuantizeKvCacheParams kv_cache_params(const void* slot_mapping, void* key_cache, void* value_cache,
+                                             void* key_scale, void* value_scale, int num_tokens, int num_kv_heads,
+                                             int head_dim, int block_size, long long num_slots, int* status,
+                                             void* workspace) {
+  QuantizeKvCacheParams p;
+  p.slot_mapping = static_cast<const int64_t*>(slot_mapping);
+  p.key_cache = static_cast<int8_t*>(key_cache);
+  p.value_cache = static_cast<int8_t*>(value_cache);
+  p.key_scale = static_cast<float*>(key_scale);
+  p.value_scale = static_cast<float*>(value_scale);
+  p.num_tokens = num_tokens;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.block_size = block_size;
+  p.num_slots = num_slots;
+  p.status = status;
+  p.workspace = workspace;
+  return p;
+}
+
 size_t quantize_kv_cache_workspace_bytes(int64_t num_tokens);
 
 // For T > kQkvInlineCheckMax: enqueues the slot check (range, no live slot twice) whose verdict

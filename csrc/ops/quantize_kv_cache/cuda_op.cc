@@ -12,16 +12,14 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
-#include <optional>
-#include <memory>
 #include <string>
 
 #include "common/tensor.h"
 #include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/quantize_kv_cache/cuda.cuh"
+#include "ops/quantize_kv_cache/cuda_outputs.h"
 #include "ops/quantize_kv_cache/validate.h"
 
 namespace ort_ops {
@@ -62,50 +60,19 @@ class QuantizeKVCacheCuda final : public KernelImpl {
     status_.raise_pending();
     const kvc::Inputs in = kvc::read_inputs(ctx);
     const kvc::Dims dims = kvc::validate_inputs(in, {check_same_float_dtype});
-    const InputView &key = in.key, &value = in.value, &slots = in.slot_mapping, &kc = in.key_cache,
-                    &vc = in.value_cache, &ks = in.key_scale, &vs = in.value_scale;
+    const InputView &key = in.key, &value = in.value;
     const int64_t T = dims.T, H = dims.H, D = dims.D, N = dims.N, B = dims.B;
     if (D > 512) fail_unsupported(kOp, "(CUDA) head_dim must be <= 512, got ", D);
     if (T * H >= (int64_t{1} << 30)) fail_unsupported(kOp, "(CUDA) T * kv heads must be < 2^30");
 
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-    const int64_t num_slots = N * B;
-    num_slots_.store(num_slots);
-
-    auto* kc_out = make_output<int8_t>(ctx, 0, kc.shape);
-    auto* vc_out = make_output<int8_t>(ctx, 1, vc.shape);
-    auto* ks_out = make_output<float>(ctx, 2, ks.shape);
-    auto* vs_out = make_output<float>(ctx, 3, vs.shape);
-    auto copy_unless_same = [&](const InputView& in, void* out, size_t bytes) {
-      if (out != in.data && bytes)
-        check_cuda(cudaMemcpyAsync(out, in.data, bytes, cudaMemcpyDeviceToDevice, stream), "cache copy");
-    };
-    copy_unless_same(kc, kc_out, kc.numel);
-    copy_unless_same(vc, vc_out, vc.numel);
-    copy_unless_same(ks, ks_out, ks.numel * sizeof(float));
-    copy_unless_same(vs, vs_out, vs.numel * sizeof(float));
+    num_slots_.store(N * B);
+    const kvc::CudaCacheOutputs outputs(kOp, ctx, in.caches(), 0, dims, stream, status_.word(kOp));
     if (T == 0 || D == 0) return;
-
-    const size_t ws = quantize_kv_cache_workspace_bytes(T);
-    std::optional<cuda_util::OrtCudaScratch> scratch;  // only for the check kernel (T > 64)
-    if (ws) scratch.emplace(kOp, ctx, ws);
-
-    QuantizeKvCacheParams p;
+    QuantizeKvCacheParams p = outputs.params();
     p.key = key.data;
     p.value = value.data;
     p.input_fp16 = key.dtype == F16;
-    p.slot_mapping = slots.ptr<int64_t>();
-    p.key_cache = kc_out;
-    p.value_cache = vc_out;
-    p.key_scale = ks_out;
-    p.value_scale = vs_out;
-    p.num_tokens = static_cast<int>(T);
-    p.num_kv_heads = static_cast<int>(H);
-    p.head_dim = static_cast<int>(D);
-    p.block_size = static_cast<int>(B);
-    p.num_slots = num_slots;
-    p.status = status_.word(kOp);
-    p.workspace = ws ? scratch->get() : nullptr;
     check_cuda(launch_quantize_kv_cache(p, stream), "kernel launch");
   }
 

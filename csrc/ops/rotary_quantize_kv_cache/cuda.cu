@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 
 #include "cuda/export.h"
+#include "cuda/float_convert.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/ptx.cuh"
 #include "ops/quantize_kv_cache/cuda_device.cuh"
@@ -18,20 +19,8 @@
 namespace ort_ops {
 namespace {
 
-template <typename T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
-
-// y rounded to T (float16: round to nearest even), and that value widened back.
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+using cuda_util::from_f32;
+using cuda_util::to_f32;
 
 // Rotates head `x` (D values of T) into y[i] = element lane + 32 i (0 past D), float32 not yet
 // rounded to T: for d < R, with i the angle index and partner the pair's other element,
@@ -172,19 +161,9 @@ ORT_OPS_CUDA_EXPORT int ort_ops_cuda_rotary_quantize_kv_cache(
   p.num_heads = num_heads;
   p.rotary_half = rotary_half;
   p.interleaved = interleaved != 0;
-  ort_ops::QuantizeKvCacheParams& c = p.cache;
-  c.input_fp16 = fp16 != 0;
-  c.slot_mapping = static_cast<const int64_t*>(slot_mapping);
-  c.key_cache = static_cast<int8_t*>(key_cache);
-  c.value_cache = static_cast<int8_t*>(value_cache);
-  c.key_scale = static_cast<float*>(key_scale);
-  c.value_scale = static_cast<float*>(value_scale);
-  c.num_tokens = num_tokens;
-  c.num_kv_heads = num_kv_heads;
-  c.head_dim = head_dim;
-  c.block_size = block_size;
-  c.num_slots = num_slots;
-  c.status = status;
-  c.workspace = reinterpret_cast<char*>(status) + 16;
+  p.cache = ort_ops::kv_cache_params(slot_mapping, key_cache, value_cache, key_scale, value_scale, num_tokens,
+                                     num_kv_heads, head_dim, block_size, num_slots, status,
+                                     reinterpret_cast<char*>(status) + 16);
+  p.cache.input_fp16 = fp16 != 0;
   return static_cast<int>(ort_ops::launch_rotary_quantize_kv_cache(p, static_cast<cudaStream_t>(stream)));
 }

@@ -14,13 +14,13 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <optional>
 #include <string>
 
 #include "common/tensor.h"
 #include "cuda/device_status.h"
 #include "cuda/ort_cuda.h"
 #include "ops/quantize_kv_cache/cuda.cuh"
+#include "ops/quantize_kv_cache/cuda_outputs.h"
 #include "ops/rotary_quantize_kv_cache/cuda.cuh"
 #include "ops/rotary_quantize_kv_cache/validate.h"
 
@@ -55,29 +55,11 @@ class RotaryQuantizeKVCacheCuda final : public KernelImpl {
     const rqk::Dims d = rqk::validate_inputs(in, attrs_);
     if (d.D > 512) fail_unsupported(kOp, "(CUDA) head_dim must be <= 512, got ", d.D);
     if (d.T * d.Hq >= (int64_t{1} << 30)) fail_unsupported(kOp, "(CUDA) T * num_heads must be < 2^30");
-    const quantize_kv_cache::Caches& caches = in.caches;
-    const int64_t num_slots = d.cache.N * d.cache.B;
-    num_slots_.store(num_slots);
-
+    num_slots_.store(d.cache.N * d.cache.B);
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     void* query = make_output_raw(ctx, 0, {d.T, d.Hq, d.D});
-    auto* kc_out = make_output<int8_t>(ctx, 1, caches.key_cache.shape);
-    auto* vc_out = make_output<int8_t>(ctx, 2, caches.value_cache.shape);
-    auto* ks_out = make_output<float>(ctx, 3, caches.key_scale.shape);
-    auto* vs_out = make_output<float>(ctx, 4, caches.value_scale.shape);
-    auto copy_unless_same = [&](const InputView& in, void* out, size_t bytes) {
-      if (out != in.data && bytes)
-        check_cuda(cudaMemcpyAsync(out, in.data, bytes, cudaMemcpyDeviceToDevice, stream), "cache copy");
-    };
-    copy_unless_same(caches.key_cache, kc_out, caches.key_cache.numel);
-    copy_unless_same(caches.value_cache, vc_out, caches.value_cache.numel);
-    copy_unless_same(caches.key_scale, ks_out, caches.key_scale.numel * sizeof(float));
-    copy_unless_same(caches.value_scale, vs_out, caches.value_scale.numel * sizeof(float));
+    const quantize_kv_cache::CudaCacheOutputs outputs(kOp, ctx, in.caches, 1, d.cache, stream, status_.word(kOp));
     if (d.T == 0) return;
-
-    const size_t ws = quantize_kv_cache_workspace_bytes(d.T);
-    std::optional<cuda_util::OrtCudaScratch> scratch;  // only for the check kernel (T > 64)
-    if (ws) scratch.emplace(kOp, ctx, ws);
 
     RotaryQuantizeKvParams p;
     p.qkv = in.qkv.data;
@@ -87,20 +69,8 @@ class RotaryQuantizeKVCacheCuda final : public KernelImpl {
     p.num_heads = static_cast<int>(d.Hq);
     p.rotary_half = static_cast<int>(d.half);
     p.interleaved = attrs_.interleaved;
-    QuantizeKvCacheParams& c = p.cache;
-    c.input_fp16 = in.qkv.dtype == F16;
-    c.slot_mapping = caches.slot_mapping.ptr<int64_t>();
-    c.key_cache = kc_out;
-    c.value_cache = vc_out;
-    c.key_scale = ks_out;
-    c.value_scale = vs_out;
-    c.num_tokens = static_cast<int>(d.T);
-    c.num_kv_heads = static_cast<int>(d.Hkv);
-    c.head_dim = static_cast<int>(d.D);
-    c.block_size = static_cast<int>(d.cache.B);
-    c.num_slots = num_slots;
-    c.status = status_.word(kOp);
-    c.workspace = ws ? scratch->get() : nullptr;
+    p.cache = outputs.params();
+    p.cache.input_fp16 = in.qkv.dtype == F16;
     check_cuda(launch_rotary_quantize_kv_cache(p, stream), "kernel launch");
   }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "cuda/export.h"
+#include "cuda/float_convert.cuh"
 #include "ops/grouped_matmul_swiglu_quant/epilogue.cuh"
 
 namespace ort_ops::swiglu_cuda {
@@ -32,14 +33,8 @@ struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+using cuda_util::from_f32;
+using cuda_util::to_f32;
 
 // chunks = rows * n / VEC; chunk c is row c / (n / VEC), columns VEC * (c % (n / VEC)) onwards.
 template <typename T, int VEC>
