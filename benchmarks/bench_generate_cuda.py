@@ -224,7 +224,8 @@ class _OrtDecoder:
         print(f"  ORT session of {Path(path).name}: {time.perf_counter() - t0:.1f} s to create", file=sys.stderr,
               flush=True)
         self.inputs = [i.name for i in self.sess.get_inputs()]
-        self.past = [n for n in self.inputs if n.startswith("past_key_values.")]
+        # dynamo: past_key_values.N.key; the transformers exporter: input.past_key_values.layers.N.keys
+        self.past = [n for n in self.inputs if "past_key_values" in n]
         self.present = [o.name for o in self.sess.get_outputs() if o.name != "logits"]
         self.dims = dims
 
