@@ -540,9 +540,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-kernels", nargs="+", default=["prefill", "general"], choices=["prefill", "general"],
                     help="prefill rows: the 64-row prefill kernel and/or the general kernel (same run)")
     ap.add_argument("--rounds", type=int, default=3, help="prefill: alternate the kernels and modes this often")
-    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "single", "wide"],
-                    help="decode: the launcher's loop (auto: at head dim 64 with blocks >= 64 the dual-stage "
-                         "loop) and/or the one-stage loop (ORT_OPS_PA_DECODE=single) and/or its 8-warp form (=wide), "
+    ap.add_argument("--decode-loops", nargs="+", default=["auto"], choices=["auto", "wide", "dual", "single"],
+                    help="decode: the launcher's loop (auto: at head dim 64 with blocks >= 64 the 8-warp one-stage "
+                         "loop, =wide) and/or the 4-warp dual-stage loop (ORT_OPS_PA_DECODE=dual) and/or the 4-warp "
+                         "one-stage loop (=single), "
                          "timed interleaved")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")

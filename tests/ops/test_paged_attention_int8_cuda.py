@@ -315,8 +315,8 @@ def test_bad_block_flagged_in_shared_stages(monkeypatch, rng, d, b):
     context needs is flagged, whether it holds many keys of a stage or only the sequence's last;
     at D 64 in each of its loops (ORT_OPS_PA_DECODE)."""
     query, cache, _ = _make_case(rng, [4 * b + 1, 3 * b], [1, 1], 8, 2, d, b, "float32", decode=True)
-    for loop in ("dual", "single", "wide") if d == 64 else ("default",):
-        if loop in ("single", "wide"):
+    for loop in ("wide", "dual", "single") if d == 64 else ("default",):
+        if loop in ("single", "dual"):
             monkeypatch.setenv("ORT_OPS_PA_DECODE", loop)
         for s, blk in ((0, 4), (0, 1), (1, 2)):  # block 4 of sequence 0 holds only its last key
             for bad_id in (10_000, -1):
@@ -702,16 +702,17 @@ def test_decode_window_softcap_sink(rng, case, pv_quant):
                              f"{dtype} {attrs} sink={hs is not None} splits={split}")
 
 
-@pytest.mark.parametrize("loop", ["dual", "single", "wide"])
+@pytest.mark.parametrize("loop", ["wide", "dual", "single"])
 @pytest.mark.parametrize("pv_quant", ["s8", "u8", "none"])
 @pytest.mark.parametrize("b", [64, 128])
 def test_head_dim_64_stage_loops(monkeypatch, rng, b, pv_quant, loop):
-    """Head dim 64 with blocks >= 64 runs two of a warp's 32-key stages an iteration (the dual
-    loop); ORT_OPS_PA_DECODE=single forces the one-stage loop. Both against the reference with
+    """Head dim 64 with blocks >= 64 runs its 8-warp one-stage loop (the default, "wide");
+    ORT_OPS_PA_DECODE=dual forces the 4-warp loop that runs two of a warp's 32-key stages an
+    iteration, =single the 4-warp one-stage loop. Each against the reference with
     a window (its start mid-stage and mid-block), softcap and sinks, splits 0 / 1 / 3 / 7 at the
     default partition (64-aligned split starts: the shared stages), lengths whose last iteration
     has one stage, two, or only the partner's."""
-    if loop != "dual":
+    if loop != "wide":
         monkeypatch.setenv("ORT_OPS_PA_DECODE", loop)
     lens, hq, hkv, d = [3001, 97, 190, 1, 2176], 32, 8, 64
     dtype = "float16"

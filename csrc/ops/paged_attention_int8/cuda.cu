@@ -1478,16 +1478,18 @@ bool warp_decode_vrows(const PagedAttentionParams& p, const TileShape& ts) {
 }
 
 // Head dim 64 with shared 64-key stages: which loop and CTA shape (read at each launch: the
-// tests run each, benchmarks compare them). Default: the dual-stage loop (4 warps, 4-slot rings);
-// ORT_OPS_PA_DECODE=single the one-stage loop (4 warps, 3 slots); =wide the one-stage loop with 8
-// warps and 2-slot rings (four pairs; two CTAs an SM: 16 warps where the others have 8).
+// tests run each, benchmarks compare them). Default: the one-stage loop with 8 warps and 2-slot
+// rings (four pairs sharing stages; two CTAs an SM, so 16 warps hide the cache loads' latency
+// where the 4-warp shapes have 8: this decode waits on memory latency, not bandwidth);
+// ORT_OPS_PA_DECODE=dual the dual-stage loop (4 warps, 4-slot rings); =single the one-stage loop
+// (4 warps, 3 slots).
 enum class D64Loop { kDual, kSingle, kWide };
 D64Loop warp_decode_d64_loop(const PagedAttentionParams& p, const TileShape& ts) {
   if (p.head_dim != 64 || !warp_decode_vrows(p, ts)) return D64Loop::kSingle;
   const char* force = std::getenv("ORT_OPS_PA_DECODE");
   if (force != nullptr && std::strcmp(force, "single") == 0) return D64Loop::kSingle;
-  if (force != nullptr && std::strcmp(force, "wide") == 0) return D64Loop::kWide;
-  return D64Loop::kDual;
+  if (force != nullptr && std::strcmp(force, "dual") == 0) return D64Loop::kDual;
+  return D64Loop::kWide;
 }
 
 // FORM: kAnyStages (shared 64-key stages where warp_decode_vrows allows, else per-warp ones),
