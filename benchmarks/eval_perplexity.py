@@ -229,10 +229,11 @@ def make_variant(model_path: Path, label: str, out_dir: Path, block_size: int):
 
     kw = VARIANTS[label]
     out = out_dir / f"{model_path.stem}.{label.replace(' ', '_').replace('/', '-')}.onnx"
-    # Norm and RoPE chains and projections stay as exported: a variant changes only what its label
+    # Norm and RoPE chains, projections and the MLP stay as exported: a variant changes only what its label
     # says (INT8 attention, INT8 MoE), so its perplexity change is theirs.
     _, results = ort_ops.rewrite_model(str(model_path), str(out), block_size=block_size, norms=False,
-                                       concat_matmuls=False, rotary=False, **kw)
+                                       concat_matmuls=False, rotary=False, swiglu=False,
+                                       rotary_kv=False, **kw)
     fused = {r.kind: r.fused for r in results}
     if (kw.get("moe") and not fused.get("moe")) or (kw.get("attention") and not fused.get("attention")):
         return None, False, fused

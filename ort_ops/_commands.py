@@ -212,10 +212,10 @@ def register(sub) -> None:
     _bool_flag(rw, "concat-matmuls", "join MatMuls that read one activation (Q/K/V, gate/up projections) into "
                "one MatMul and a Split (default on)")
     _bool_flag(rw, "swiglu", "fuse the MLP's Split -> SiLU -> Mul (after --concat-matmuls) into one ort_ops "
-               "SwiGLU node (default off: its GPU speed is not measured yet)", default=False)
+               "SwiGLU node (default on)")
     _bool_flag(rw, "rotary-kv", "fuse each layer's Q/K/V Split, the RotaryEmbeddings of Q and K and the "
                "QuantizeKVCache (after --attention, --rotary, --concat-matmuls) into one ort_ops "
-               "RotaryQuantizeKVCache node (default off: its GPU speed is not measured yet)", default=False)
+               "RotaryQuantizeKVCache node (default on)")
     _bool_flag(rw, "rotary", "fuse the RoPE chains of paged models into ORT's com.microsoft RotaryEmbedding "
                              "(default on)")
     rw.add_argument("--moe-weight-layout", choices=WEIGHT_LAYOUTS, default=EKN,

@@ -17,9 +17,10 @@ def test_rewrite_then_verify(tmp_path, capsys):
     out = tmp_path / "out.onnx"
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    # Two norms a layer and the final one; Q/K/V and gate/up joined, RoPE of Q and K, in each of the
-    # two layers.
-    assert report["fused"] == {"moe": 0, "attention": 2, "rotary": 4, "rmsnorm": 5, "matmul_concat": 4}
+    # Two norms a layer and the final one; Q/K/V and gate/up joined, RoPE of Q and K, the MLP's
+    # SwiGLU and the attention prologue (Split, RoPE, QuantizeKVCache) in each of the two layers.
+    assert report["fused"] == {"moe": 0, "attention": 2, "rotary": 4, "rmsnorm": 5, "matmul_concat": 4,
+                               "swiglu": 2, "rotary_kv": 2}
     att = next(r for r in report["results"] if r["kind"] == "attention")
     assert att["details"]["interface"] == "paged" and att["declined"] == []
     assert main(["verify", "--quiet", str(FIXTURE), str(out), "--json", "--max-new-tokens", "16"]) == 0
@@ -36,8 +37,10 @@ def test_rewrite_text_report_and_flags(tmp_path, capsys):
     assert "attention: 2 block(s) fused (matmul: 2), interface: paged" in text
     assert "rmsnorm: 5 block(s) fused" in text
     assert "rotary: 4 block(s) fused (rotate_half: 4)" in text
+    assert "swiglu: 2 block(s) fused (sigmoid_mul: 2)" in text
+    assert "rotary_kv: 2 block(s) fused" in text and "declined" not in text
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-attention", "--no-norms", "--no-concat-matmuls",
-                 "--no-rotary", "--json"]) == 0
+                 "--no-rotary", "--no-swiglu", "--no-rotary-kv", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fused"] == {"moe": 0}
 
 
@@ -116,25 +119,41 @@ def test_verify_runs_a_bfloat16_pair_through_float32_twins(tmp_path, capsys):
     assert v["rewritten_interface"] == "paged" and v["overall"]["token_agreement"] >= 0.95
 
 
-def test_rewrite_swiglu_is_opt_in(tmp_path, capsys):
-    """--swiglu adds the SwiGLU pass after the joined projections (one block a layer); without
-    it the report has no swiglu entry."""
+def test_rewrite_swiglu_is_on_by_default_and_no_swiglu_turns_it_off(tmp_path, capsys):
+    """The SwiGLU pass runs by default after the joined projections (one block a layer), as with
+    --swiglu; with --no-swiglu the report has no swiglu entry and the model no SwiGLU node."""
+    import onnx
+
     out = tmp_path / "out.onnx"
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out)]) == 0
+    assert "swiglu: 2 block(s) fused (sigmoid_mul: 2)" in capsys.readouterr().out
+    assert sum(n.op_type == "SwiGLU" for n in onnx.load(str(out)).graph.node) == 2
     assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--swiglu"]) == 0
     assert "swiglu: 2 block(s) fused (sigmoid_mul: 2)" in capsys.readouterr().out
-    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-swiglu", "--json"]) == 0
     assert "swiglu" not in json.loads(capsys.readouterr().out)["fused"]
+    assert not any(n.op_type == "SwiGLU" for n in onnx.load(str(out)).graph.node)
 
 
-def test_rewrite_rotary_kv_is_opt_in(tmp_path, capsys):
-    """--rotary-kv adds the RotaryQuantizeKVCache pass after the others (one block a layer);
-    without it the report has no rotary_kv entry."""
+def test_rewrite_rotary_kv_is_on_by_default_and_no_rotary_kv_turns_it_off(tmp_path, capsys):
+    """The RotaryQuantizeKVCache pass runs by default after the others (one block a layer), as
+    with --rotary-kv; with --no-rotary it declines every layer (no RotaryEmbedding to take); with
+    --no-rotary-kv the report has no rotary_kv entry and the model keeps its QuantizeKVCaches."""
+    import onnx
+
+    def ops(path):
+        return [n.op_type for n in onnx.load(str(path)).graph.node]
+
     out = tmp_path / "out.onnx"
-    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--rotary-kv"]) == 0
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out)]) == 0
     text = capsys.readouterr().out
     assert "rotary_kv: 2 block(s) fused" in text and "declined" not in text
-    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--rotary-kv", "--no-rotary", "--json"]) == 0
+    assert ops(out).count("RotaryQuantizeKVCache") == 2 and "QuantizeKVCache" not in ops(out)
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--rotary-kv"]) == 0
+    assert "rotary_kv: 2 block(s) fused" in capsys.readouterr().out
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-rotary", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["fused"]["rotary_kv"] == 0 and report["declined"]["rotary_kv"] == 2
-    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--json"]) == 0
+    assert main(["rewrite", "--quiet", str(FIXTURE), str(out), "--no-rotary-kv", "--json"]) == 0
     assert "rotary_kv" not in json.loads(capsys.readouterr().out)["fused"]
+    assert ops(out).count("QuantizeKVCache") == 2 and "RotaryQuantizeKVCache" not in ops(out)

@@ -86,7 +86,9 @@ def test_score_dense_in_chunks_equals_the_whole_window():
 @pytest.fixture(scope="module")
 def paged_kv8(tmp_path_factory):
     out, paged, fused = ev.make_variant(DENSE, "attn kv8", tmp_path_factory.mktemp("kv8"), 16)
-    assert paged and fused == {"attention": 2}
+    # only the attention changed (the variant's label): passes on by default that run fuse nothing
+    # (swiglu and rotary_kv: make_variant leaves the projections and the RoPE chains as exported)
+    assert paged and {kind: n for kind, n in fused.items() if n} == {"attention": 2}
     return out
 
 
@@ -224,4 +226,6 @@ def test_trained_model_export_is_rewritten(tmp_path):
     model = tm.build_model("moe", tm.TINY).eval()
     tm.export(model, "moe", tmp_path / "moe.onnx")
     _out, paged, fused = ev.make_variant(tmp_path / "moe.onnx", "both s8/s8", tmp_path, 16)
-    assert paged and fused == {"moe": tm.TINY.layers, "attention": tm.TINY.layers}
+    # only the MoE and the attention changed (the variant's label), whatever else ran fused nothing
+    assert paged and {kind: n for kind, n in fused.items() if n} == {"moe": tm.TINY.layers,
+                                                                     "attention": tm.TINY.layers}

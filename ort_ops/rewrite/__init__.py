@@ -77,8 +77,8 @@ def save_model(model, path) -> None:
 
 def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "s8", qk_quant: str = "s8",
                   attention: bool = True, moe: bool = True, moe_weight_layout: str = EKN, norms: bool = True,
-                  concat_matmuls: bool = True, rotary: bool = True, swiglu: bool = False,
-                  rotary_kv: bool = False):
+                  concat_matmuls: bool = True, rotary: bool = True, swiglu: bool = True,
+                  rotary_kv: bool = True):
     """Runs the fusions on a model.
 
     Args:
@@ -93,12 +93,10 @@ def rewrite_model(model, output=None, *, block_size: int = 16, pv_quant: str = "
         concat_matmuls: MatMuls reading one activation with constant weights (Q / K / V, gate /
             up) as one MatMul of the joined weights and a Split (ort_ops/rewrite/matmul_concat.py).
         swiglu: the MLP's Split -> SiLU(gate) -> Mul(., up) as one ort_ops SwiGLU node, after
-            concat_matmuls (ort_ops/rewrite/swiglu.py). Off by default: its GPU speed is not
-            measured yet.
+            concat_matmuls (ort_ops/rewrite/swiglu.py).
         rotary_kv: each layer's Split of the joined Q/K/V projection, the RotaryEmbeddings of Q
             and K and the QuantizeKVCache as one ort_ops RotaryQuantizeKVCache node, after
-            attention, rotary and concat_matmuls (ort_ops/rewrite/rotary_kv.py). Off by default:
-            its GPU speed is not measured yet.
+            attention, rotary and concat_matmuls (ort_ops/rewrite/rotary_kv.py).
         rotary: RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding (one kernel per
             Q and per K of a layer instead of 7-8, and the Transposes around them; ort_ops/rewrite/rotary.py).
         moe_weight_layout: how the MoE gate/up weights are stored for GroupedMatmulSwigluQuant:

@@ -29,10 +29,9 @@ class RewriteOptions:
     norms: bool = True  # RMSNorm chains as ORT's SimplifiedLayerNormalization
     concat_matmuls: bool = True  # MatMuls of one activation as one MatMul and a Split
     rotary: bool = True  # RoPE chains of paged models as ORT's com.microsoft RotaryEmbedding
-    swiglu: bool = False  # the MLP's Split + SiLU + Mul as one ort_ops SwiGLU (opt-in: GPU speed unmeasured)
-    # Split + rotaries of Q and K + QuantizeKVCache as one ort_ops RotaryQuantizeKVCache (opt-in:
-    # GPU speed unmeasured)
-    rotary_kv: bool = False
+    swiglu: bool = True  # the MLP's Split + SiLU + Mul as one ort_ops SwiGLU
+    # Split + rotaries of Q and K + QuantizeKVCache as one ort_ops RotaryQuantizeKVCache
+    rotary_kv: bool = True
 
 
 @dataclasses.dataclass

@@ -50,8 +50,9 @@ def _path(name: str) -> str:
 
 
 @functools.cache
-def _rewritten(name: str) -> tuple[bytes, object]:
-    model, results = rewrite_model(_path(name), moe=False)
+def _rewritten(name: str, **options) -> tuple[bytes, object]:
+    """(rewritten model bytes, attention FusionResult), once per fixture and options."""
+    model, results = rewrite_model(_path(name), moe=False, **options)
     return ir.serde.serialize_model(model).SerializeToString(), results[0]
 
 
@@ -71,7 +72,9 @@ def _paged_nodes(model: onnx.ModelProto) -> list[tuple[dict, np.ndarray | None]]
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_variant_fixture_fused_with_its_window_softcap_and_sinks(name):
-    data, result = _rewritten(name)
+    # the passes that take the attention pass's QuantizeKVCache (rotary_kv) and the MLP's Split
+    # (swiglu) into their ops off: the graph is what the attention pass wrote
+    data, result = _rewritten(name, swiglu=False, rotary_kv=False)
     layers, scale = EXPECTED[name]
     assert result.fused == LAYERS, [(d.where, d.reason) for d in result.declined]
     assert not result.declined
@@ -246,9 +249,10 @@ def test_inexpressible_variant_declined(case):
 
 # --- the rewritten model under the contract's semantics, without the native kernels ----------------
 #
-# The rewritten fixtures (qk_quant = pv_quant = "none") run on onnx's ReferenceEvaluator with the
-# two custom ops implemented here from DESIGN.md's text: QuantizeKVCache by its numpy reference,
-# PagedAttentionInt8 as float attention over the dequantized cache with the window, softcap and
+# The rewritten fixtures (qk_quant = pv_quant = "none", the default passes) run on onnx's
+# ReferenceEvaluator with the custom ops implemented here from DESIGN.md's text: QuantizeKVCache,
+# and the RotaryQuantizeKVCache and SwiGLU that the default rotary_kv and swiglu passes put in
+# its and the MLP's place, by their numpy references; PagedAttentionInt8 as float attention over the dequantized cache with the window, softcap and
 # head sink of the contract (written out below, not the package's reference, so a misreading of
 # the contract by the rewrite and by the reference cannot cancel). The original with its new K/V
 # INT8 quantize-dequantized in its own graph (emulate_kv_int8) on stock onnxruntime must give the
@@ -291,7 +295,7 @@ def _reference_evaluator(model: onnx.ModelProto):
     from onnx.reference.op_run import OpRun
 
     from ort_ops._domain import DOMAIN
-    from ort_ops.ops import quantize_kv_cache
+    from ort_ops.ops import quantize_kv_cache, rotary_quantize_kv_cache, swiglu
 
     class QuantizeKVCache(OpRun):
         op_domain = DOMAIN
@@ -301,6 +305,26 @@ def _reference_evaluator(model: onnx.ModelProto):
                                                      value_scale))
 
         def run(self, *args, **kwargs):  # no attributes: skip OpRun's attribute plumbing
+            return self._run(*args)
+
+    class RotaryQuantizeKVCache(OpRun):
+        op_domain = DOMAIN
+
+        def _run(self, qkv, cos, sin, slot_mapping, key_cache, value_cache, key_scale, value_scale):
+            a = {att.name: onnx.helper.get_attribute_value(att) for att in self.onnx_node.attribute}
+            return tuple(rotary_quantize_kv_cache.reference(qkv, cos, sin, slot_mapping, key_cache, value_cache,
+                                                            key_scale, value_scale, **a))
+
+        def run(self, *args, **kwargs):
+            return self._run(*args)
+
+    class SwiGLU(OpRun):
+        op_domain = DOMAIN
+
+        def _run(self, x):
+            return (swiglu.reference(x),)
+
+        def run(self, *args, **kwargs):
             return self._run(*args)
 
     class PagedAttentionInt8(OpRun):
@@ -317,8 +341,9 @@ def _reference_evaluator(model: onnx.ModelProto):
         def run(self, *args, **kwargs):
             return self._run(*args)
 
-    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, PagedAttentionInt8, simplified_layer_norm_op(),
-                                              skip_simplified_layer_norm_op(), rotary_embedding_op()])
+    return ReferenceEvaluator(model, new_ops=[QuantizeKVCache, RotaryQuantizeKVCache, SwiGLU, PagedAttentionInt8,
+                                              simplified_layer_norm_op(), skip_simplified_layer_norm_op(),
+                                              rotary_embedding_op()])
 
 
 def simplified_layer_norm_op():
@@ -444,6 +469,10 @@ def test_rewritten_variant_matches_the_original_under_the_contract(name):
 
     model, _ = rewrite_model(_path(name), moe=False, qk_quant="none", pv_quant="none")
     rewritten = ir.serde.serialize_model(model)
+    # the default rewrite's prologue and MLP ops (Gemma 2's MLP is GELU; gpt-oss's a float MoE here)
+    census = collections.Counter(n.op_type for n in rewritten.graph.node)
+    assert census["RotaryQuantizeKVCache"] == LAYERS and census["QuantizeKVCache"] == 0
+    assert census["SwiGLU"] == (LAYERS if name == "mistral_window_kv" else 0)
     prompts = make_prompts(128, lengths=(31, 44), seed=5, avoid=(2,))
     got = _paged_prefill_logits(rewritten, prompts)
     emulated = emulate_kv_int8(onnx.load(_path(name)))

@@ -2,9 +2,9 @@
 """The rotary_kv pass (ort_ops/rewrite/rotary_kv.py): each layer's Split -> RotaryEmbedding(Q, K)
 -> QuantizeKVCache becomes one RotaryQuantizeKVCache on the fp32 and fp16 fixtures; blocks that
 differ (another reader of the rotated K, other cos caches, a Transpose chain that reorders, other
-split sizes) are declined with their reason and left as they were; the pass is opt-in; the
-rewritten model decodes like the one without the pass (needs the op in the library: skipped
-when the loaded library does not register it)."""
+split sizes) are declined with their reason and left as they were; the pass is on by default and
+rotary_kv=False turns it off; the rewritten model decodes like the one without the pass (needs
+the op in the library: skipped when the loaded library does not register it)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,11 @@ needs_op = pytest.mark.skipif("not _op_registered()", reason="the loaded ort_ops
 
 @functools.cache
 def _plain(path: pathlib.Path) -> bytes:
-    """The fixture rewritten by the default passes (the rotary_kv pass's input)."""
-    m, _ = ort_ops.rewrite_model(str(path))
+    """The fixture rewritten by the default passes but rotary_kv (the rotary_kv pass's input: the
+    Q/K/V Split, the RotaryEmbeddings and the QuantizeKVCache of each layer)."""
+    m, _ = ort_ops.rewrite_model(str(path), rotary_kv=False)
+    # else a test "against the rewrite without the pass" would compare the pass with itself
+    assert not any(n.op_type == "RotaryQuantizeKVCache" for n in m.graph)
     return ir.serde.serialize_model(m).SerializeToString()
 
 
@@ -86,10 +89,10 @@ def _node(m: ir.Model, op_type: str, index: int = 0) -> ir.Node:
 @pytest.mark.parametrize("path", [FP32, FP16], ids=["fp32", "fp16"])
 def test_fixture_one_op_per_layer(path):
     """One RotaryQuantizeKVCache a layer reading the joined projection; no rotary, QuantizeKVCache
-    or Q/K/V Split left (the MLP's gate/up Splits stay); the caches keep their names; the graph
-    passes onnx.checker (the norms pass off: its SimplifiedLayerNormalization is ORT's, which the
-    checker does not know)."""
-    m, results = ort_ops.rewrite_model(str(path), rotary_kv=True, norms=False)
+    or Q/K/V Split left (the MLP's gate/up Splits stay: the swiglu pass off, which would fuse
+    them); the caches keep their names; the graph passes onnx.checker (the norms pass off: its
+    SimplifiedLayerNormalization is ORT's, which the checker does not know)."""
+    m, results = ort_ops.rewrite_model(str(path), rotary_kv=True, swiglu=False, norms=False)
     r = results[-1]
     assert r.kind == "rotary_kv" and r.fused == LAYERS and not r.declined, r.declined
     ops = _ops(m)
@@ -114,13 +117,21 @@ def test_fixture_one_op_per_layer(path):
         ort.InferenceSession(proto.SerializeToString(), ort_ops.session_options(), providers=["CPUExecutionProvider"])
 
 
-def test_opt_in_and_report():
-    """Without the flag the pass does not run and the graph is the default rewrite's."""
-    assert RewriteOptions().rotary_kv is False
+def test_on_by_default_and_the_option_turns_it_off():
+    """The default rewrite runs the pass last and reports every layer fused (the graph that of
+    rotary_kv=True); rotary_kv=False leaves the pass out of the report and each layer's two
+    RotaryEmbeddings and QuantizeKVCache in the graph."""
+    assert RewriteOptions().rotary_kv is True
     m, results = ort_ops.rewrite_model(str(FP32))
+    r = results[-1]
+    assert r.kind == "rotary_kv" and r.fused == LAYERS and not r.declined, r.declined
+    assert _ops(m)["RotaryQuantizeKVCache"] == LAYERS and not any(_ops(m)[o] for o in FUSED_AWAY)
+    on, _ = ort_ops.rewrite_model(str(FP32), rotary_kv=True)
+    assert _signature(m) == _signature(on)
+    off, results = ort_ops.rewrite_model(str(FP32), rotary_kv=False)
     assert all(r.kind != "rotary_kv" for r in results)
-    assert _signature(m) == _signature(_model())
-    assert _ops(m)["RotaryEmbedding"] == 2 * LAYERS and _ops(m)["QuantizeKVCache"] == LAYERS
+    assert _ops(off)["RotaryEmbedding"] == 2 * LAYERS and _ops(off)["QuantizeKVCache"] == LAYERS
+    assert not _ops(off)["RotaryQuantizeKVCache"]
 
 
 def _unchanged_decline(m: ir.Model, reason: str, declined: int = 1) -> None:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: MIT
 """The SwiGLU pass (ort_ops/rewrite/swiglu.py): Split -> SiLU -> Mul becomes one SwiGLU node in
 both SiLU forms, checked against numpy's float64 SwiGLU and against the fixture's rewrite without
-the pass; Splits not used that way are left alone; the pass is opt-in."""
+the pass; Splits not used that way are left alone; the pass is on by default and swiglu=False
+turns it off."""
 
 from __future__ import annotations
 
@@ -126,12 +127,21 @@ def test_other_splits_are_left_alone(case, reason):
         assert len(result.declined) == 1 and reason in result.declined[0].reason
 
 
-def test_opt_in():
-    assert RewriteOptions().swiglu is False
+def test_on_by_default_and_the_option_turns_it_off():
+    """The default rewrite of the 2-layer fixture fuses each layer's MLP activation (no Split left:
+    rotary_kv took the Q/K/V ones); swiglu=False leaves the pass out of the report and the gate/up
+    Splits in the graph."""
+    assert RewriteOptions().swiglu is True
     src = str(FIXTURES / "attention" / "dynamo_sdpa_kv.onnx")
     m, results = ort_ops.rewrite_model(src)
+    r = next(r for r in results if r.kind == "swiglu")
+    assert r.fused == 2 and not r.declined, r.declined
+    ops = collections.Counter(n.op_type for n in m.graph)
+    assert ops["SwiGLU"] == 2 and ops["Split"] == 0
+    off, results = ort_ops.rewrite_model(src, swiglu=False)
     assert all(r.kind != "swiglu" for r in results)
-    assert not [n for n in m.graph if n.op_type == "SwiGLU"]
+    ops = collections.Counter(n.op_type for n in off.graph)
+    assert ops["SwiGLU"] == 0 and ops["Split"] == 2
 
 
 @pytest.mark.parametrize("fixture,dtype", [("dynamo_sdpa_kv.onnx", "float32"), ("dynamo_sdpa_kv_fp16.onnx", "float16")])
@@ -143,7 +153,7 @@ def test_fixture_mlp_fused_logits_unchanged(fixture, dtype):
 
     src = str(FIXTURES / "attention" / fixture)
     fused, results = ort_ops.rewrite_model(src, swiglu=True)
-    plain, _ = ort_ops.rewrite_model(src)
+    plain, _ = ort_ops.rewrite_model(src, swiglu=False)
     r = next(r for r in results if r.kind == "swiglu")
     assert r.fused == 2 and r.details["forms"] == {"sigmoid_mul": 2} and not r.declined
 
