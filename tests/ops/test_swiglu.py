@@ -17,7 +17,7 @@ from tests.conftest import use_isa
 from tests.tolerances import (SWIGLU_VS_QUICKGELU_F16_ABS, SWIGLU_VS_QUICKGELU_F16_REL,
                               SWIGLU_VS_QUICKGELU_F32_AB)
 
-ISAS = ["scalar", "avx2"]  # the row kernel is scalar; "avx2" switches the float16 converters
+ISAS = ["scalar", "avx2"]  # the row kernel and the float16 converters of each
 SHAPES = [(2,), (14,), (3, 34), (4, 5, 130), (2, 3, 66), (5, 16384), (7, 2 * 4099)]
 
 

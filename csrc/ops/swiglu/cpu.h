@@ -9,5 +9,7 @@ namespace ort_ops::swiglu {
 
 // y[i] = silu(a[i]) * b[i] for i in [0, n), in the recipe's float32 order.
 void swiglu_row_scalar(const float* a, const float* b, float* y, int64_t n);
+// The same on 8 lanes (AVX2), bit-exact with swiglu_row_scalar.
+void swiglu_row_avx2(const float* a, const float* b, float* y, int64_t n);
 
 }  // namespace ort_ops::swiglu

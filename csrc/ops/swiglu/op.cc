@@ -26,6 +26,7 @@ class SwigluCpu final : public KernelImpl {
     const CpuIsa isa = selected_isa(kOp);
     half_to_float_ = half_to_float_fn(isa);
     float_to_half_ = float_to_half_fn(isa);
+    row_ = isa >= CpuIsa::kAvx2 ? swiglu::swiglu_row_avx2 : swiglu::swiglu_row_scalar;
   }
 
   void compute(Ort::KernelContext& ctx) override {
@@ -51,10 +52,10 @@ class SwigluCpu final : public KernelImpl {
       for (int64_t r = r0; r < r1; ++r) {
         if (f32) {
           const float* xr = x.ptr<float>() + r * 2 * n;
-          swiglu::swiglu_row_scalar(xr, xr + n, static_cast<float*>(y) + r * n, n);
+          row_(xr, xr + n, static_cast<float*>(y) + r * n, n);
         } else {
           half_to_float_(x.ptr<uint16_t>() + r * 2 * n, in_row.data(), 2 * n);
-          swiglu::swiglu_row_scalar(in_row.data(), in_row.data() + n, out_row.data(), n);
+          row_(in_row.data(), in_row.data() + n, out_row.data(), n);
           float_to_half_(out_row.data(), static_cast<uint16_t*>(y) + r * n, n);
         }
       }
@@ -64,6 +65,7 @@ class SwigluCpu final : public KernelImpl {
  private:
   HalfToFloatFn half_to_float_;
   FloatToHalfFn float_to_half_;
+  void (*row_)(const float*, const float*, float*, int64_t) = nullptr;
 };
 
 }  // namespace
